@@ -1,0 +1,161 @@
+"""Beam's numerics contract: the pointwise operations and exactly where they round.
+
+Every engine in beam-rl (the reference model, the Triton kernels, the vLLM model, the Megatron
+model) computes these operations with these functions or with code proven bit-identical to them.
+Arithmetic is FP32; "round" means a cast to the activation dtype (BF16 in production; a no-op
+when the model runs in FP32). Shapes: tokens first, heads next, head_dim last.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+# SSMax on NoPE layers: q *= (1 + p / SSMAX_BASE) ** SSMAX_EXPONENT, p = position index + 1.
+SSMAX_BASE = 2048.0
+SSMAX_EXPONENT = 0.1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim in FP32, rounded once after the weight multiply."""
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def residual_scales(add_index: int) -> tuple[float, float]:
+    """(residual_scale, sublayer_scale) of the n-th depth-scaled add: h <- sqrt((n-1)/n) h + x / sqrt(n).
+
+    The embedding is add 1; layer L (1-based) adds attention at n = 2L and its MLP at n = 2L + 1.
+    """
+    if add_index < 2:
+        raise ValueError(f"add_index must be >= 2 (the embedding is add 1), got {add_index}")
+    return math.sqrt((add_index - 1) / add_index), 1.0 / math.sqrt(add_index)
+
+
+def sublayer_boundary(
+    sublayer_out: torch.Tensor,
+    residual: torch.Tensor,
+    post_norm_weight: torch.Tensor,
+    next_norm_weight: torch.Tensor | None,
+    add_index: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Post-norm, depth-scaled residual add and the next pre-norm; returns (residual', next_input).
+
+    y = round(postnorm(x)); a = round(y * x_scale); b = round(h * r_scale); h' = round(a + b);
+    next = round(prenorm(h')) (all FP32 inside). `next_norm_weight=None` skips the pre-norm (the
+    caller gets None); the last boundary passes the final norm's weight.
+    """
+    r_scale, x_scale = residual_scales(add_index)
+    dtype = residual.dtype
+    y = rms_norm(sublayer_out, post_norm_weight, eps)
+    a = (y.float() * x_scale).to(dtype)
+    b = (residual.float() * r_scale).to(dtype)
+    h = (a.float() + b.float()).to(dtype)
+    nxt = rms_norm(h, next_norm_weight, eps) if next_norm_weight is not None else None
+    return h, nxt
+
+
+def rope_cos_sin_cache(max_positions: int, head_dim: int, theta: float) -> torch.Tensor:
+    """FP32 table [max_positions, head_dim]: cos of the D/2 frequencies, then sin (vLLM's layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def ssmax_scale_cache(max_positions: int) -> torch.Tensor:
+    """FP32 table [max_positions]: the SSMax factor (1 + (i + 1) / 2048) ** 0.1 of position index i."""
+    p = torch.arange(1, max_positions + 1, dtype=torch.float32)
+    return torch.pow(1.0 + p / SSMAX_BASE, SSMAX_EXPONENT)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding of x [T, heads, D] in FP32, rounded once."""
+    half = x.shape[-1] // 2
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # (T, D/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def qk_norm_rope_ssmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor | None,
+    ssmax_cache: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q [T, H, D] and k [T, KV, D] (rounded), then RoPE on both (sliding
+    layers, `cos_sin_cache` given) or the SSMax factor on q alone (NoPE layers, `ssmax_cache`
+    given), each in FP32 and rounded once."""
+    if (cos_sin_cache is None) == (ssmax_cache is None):
+        raise ValueError("pass exactly one of cos_sin_cache (RoPE layer) or ssmax_cache (NoPE layer)")
+    q = rms_norm(q, q_norm_weight, eps)
+    k = rms_norm(k, k_norm_weight, eps)
+    if cos_sin_cache is not None:
+        return apply_rope(q, positions, cos_sin_cache), apply_rope(k, positions, cos_sin_cache)
+    scale = ssmax_cache[positions][:, None, None]  # (T, 1, 1)
+    return (q.float() * scale).to(q.dtype), k
+
+
+def output_gate(attn: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor) -> torch.Tensor:
+    """attn * sigmoid(gate + bias[head]) for attn, gate [T, H, D] and bias [H]:
+    g = round(gate + bias); s = round(sigmoid(g)); out = round(attn * s), each in FP32."""
+    dtype = attn.dtype
+    g = (gate.float() + gate_bias.float()[:, None]).to(dtype)
+    s = torch.sigmoid(g.float()).to(dtype)
+    return (attn.float() * s.float()).to(dtype)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation: silu(gate) * up in FP32, rounded only the product."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Causal GQA attention of one sequence: q [Tq, H, D], k/v [Tk, KV, D] -> [Tq, H, D].
+
+    Key j is visible to query i iff 0 <= pos_i - pos_j < window (window = None: no limit), i.e.
+    a sliding window of `window` tokens including the query itself. Scores, softmax and the
+    weighted sum are FP32 with scale 1/sqrt(D); the output is rounded once.
+    """
+    groups = q.shape[1] // k.shape[1]
+    kf = k.float().repeat_interleave(groups, dim=1)  # (Tk, H, D)
+    vf = v.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(q.shape[-1])  # (H, Tq, Tk)
+    dist = q_positions[:, None] - k_positions[None, :]  # (Tq, Tk)
+    visible = dist >= 0
+    if sliding_window is not None:
+        visible &= dist < sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+
+
+def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_out[t, k] for expert_out [T, K, H] and FP32 weights [T, K]:
+    products and the sum (in k order) in FP32, rounded once."""
+    acc = torch.zeros(expert_out.shape[0], expert_out.shape[2], dtype=torch.float32, device=expert_out.device)
+    for j in range(expert_out.shape[1]):
+        acc += weights[:, j, None].float() * expert_out[:, j].float()
+    return acc.to(expert_out.dtype)
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """FP32 logits; with a cap, tanh(x / cap) * cap in FP32."""
+    logits = logits.float()
+    return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,1 @@
+"""Beam as a vLLM model plugin (installed as `beam_rl.rollout`)."""
