@@ -130,13 +130,15 @@ def attention(
     """Causal GQA attention of one sequence: q [Tq, H, D], k/v [Tk, KV, D] -> [Tq, H, D].
 
     Key j is visible to query i iff 0 <= pos_i - pos_j < window (window = None: no limit), i.e.
-    a sliding window of `window` tokens including the query itself. Scores, softmax and the
-    weighted sum are FP32 with scale 1/sqrt(D); the output is rounded once.
+    a sliding window of `window` tokens including the query itself. Scale 1/sqrt(D); the output
+    is rounded once. The reference computes scores, softmax and the weighted sum in FP64 so its
+    result does not depend on how queries are batched (with or without a KV cache); engines use
+    FP32-accumulating flash attention, a documented source of difference.
     """
     groups = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(groups, dim=1)  # (Tk, H, D)
-    vf = v.float().repeat_interleave(groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(q.shape[-1])  # (H, Tq, Tk)
+    kf = k.double().repeat_interleave(groups, dim=1)  # (Tk, H, D)
+    vf = v.double().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kf) / math.sqrt(q.shape[-1])  # (H, Tq, Tk)
     dist = q_positions[:, None] - k_positions[None, :]  # (Tq, Tk)
     visible = dist >= 0
     if sliding_window is not None:

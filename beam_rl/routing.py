@@ -17,8 +17,13 @@ import torch
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """FP32 router logits [T, E] of activations x [T, hidden] with an FP32 weight [E, hidden]."""
-    return x.float() @ weight.float().t()
+    """FP32 router logits [T, E] of activations x [T, hidden] with an FP32 weight [E, hidden].
+
+    The reference accumulates in FP64 and rounds once to FP32: the correctly rounded dot
+    product, independent of how many tokens are batched (an FP32 BLAS GEMM is not: its blocking
+    depends on the token count). FP32-accumulating engines differ from it by reduction order only.
+    """
+    return (x.double() @ weight.double().t()).float()
 
 
 def _stable_topk(values: torch.Tensor, k: int) -> torch.Tensor:

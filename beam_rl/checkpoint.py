@@ -1,0 +1,157 @@
+"""HF-format Beam checkpoints: seeded initialisation, save, and a strict load.
+
+A checkpoint directory holds `config.json` and safetensors files with the released tensor names
+(`beam_rl.weights`), sharded with a `model.safetensors.index.json` when large. Loading refuses a
+missing, extra or wrongly-shaped tensor, naming it; router tensors are kept FP32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from beam_rl.config import BeamConfig
+from beam_rl.modeling import BeamForCausalLM
+from beam_rl.weights import checkpoint_tensors
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match its config; the message names the tensor(s)."""
+
+
+def init_weights(model: BeamForCausalLM, seed: int) -> BeamForCausalLM:
+    """Seeded, device-independent initialisation (drawn in FP32 on CPU in checkpoint order).
+
+    Embedding ~ N(0, 1): the residual stream starts at unit variance, and since every sublayer
+    output is post-normed (unit RMS with unit norm weights) and added as
+    h <- sqrt((n-1)/n) h + x / sqrt(n), it keeps unit variance at every depth. Linear weights
+    ~ N(0, 1/fan_in) keep each projection's output at the scale of its input; norm weights are 1,
+    output-gate biases and router correction biases 0.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, spec in checkpoint_tensors(model.config).items():
+            if spec.kind == "norm" or name.endswith(("gate_bias", "e_score_correction_bias")):
+                value = torch.ones(spec.shape) if spec.kind == "norm" else torch.zeros(spec.shape)
+            elif spec.kind == "embedding":
+                value = torch.randn(spec.shape, generator=gen)
+            else:
+                value = torch.randn(spec.shape, generator=gen) / math.sqrt(spec.shape[-1])
+            state[name].copy_(value)
+    return model
+
+
+def build_model(config: BeamConfig, *, seed: int | None = 0, dtype=torch.bfloat16, device="cpu") -> BeamForCausalLM:
+    """A reference model of `config`, seeded-initialised (seed=None: weights left empty)."""
+    model = BeamForCausalLM(config)
+    if seed is not None:
+        init_weights(model, seed)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_checkpoint(model: BeamForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> Path:
+    """Write config.json + safetensors (sharded above `max_shard_bytes`) atomically to `path`."""
+    path = Path(path)
+    specs = checkpoint_tensors(model.config)
+    state = model.state_dict()
+    if set(state) != set(specs):
+        raise CheckpointError(f"model state does not match the Beam tensor table: {sorted(set(state) ^ set(specs))[:5]}")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name in specs:
+        t = state[name].detach().contiguous().cpu()
+        if shards[-1] and shard_bytes + t.nbytes > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = t
+        shard_bytes += t.nbytes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        model.config.save_pretrained(tmp)
+        if len(shards) == 1:
+            save_file(shards[0], tmp / SINGLE_NAME, metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, tmp / fname, metadata={"format": "pt"})
+                weight_map.update({name: fname for name in shard})
+            total = sum(t.nbytes for shard in shards for t in shard.values())
+            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return path
+
+
+def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
+    """Tensor name -> safetensors file of a checkpoint directory (single file or indexed shards)."""
+    path = Path(path)
+    if (path / INDEX_NAME).exists():
+        weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        return {name: path / fname for name, fname in weight_map.items()}
+    if (path / SINGLE_NAME).exists():
+        with safe_open(path / SINGLE_NAME, framework="pt") as f:
+            return {name: path / SINGLE_NAME for name in f.keys()}
+    raise CheckpointError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}; is this a Beam checkpoint directory?")
+
+
+def read_tensors(path: str | os.PathLike, config: BeamConfig):
+    """Yield (name, tensor) of a checkpoint after checking names and shapes against `config`."""
+    files = checkpoint_files(path)
+    specs = checkpoint_tensors(config)
+    missing = [n for n in specs if n not in files]
+    extra = [n for n in files if n not in specs]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        if extra:
+            parts.append(f"unexpected {len(extra)} tensor(s), e.g. {extra[:3]}")
+        raise CheckpointError(f"{path}: " + "; ".join(parts) + " (does config.json match the weights?)")
+    by_file: dict[Path, list[str]] = {}
+    for name, f in files.items():
+        by_file.setdefault(f, []).append(name)
+    for fname, names in by_file.items():
+        with safe_open(fname, framework="pt") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                if tuple(t.shape) != specs[name].shape:
+                    raise CheckpointError(
+                        f"{path}: tensor {name} has shape {tuple(t.shape)}, config expects {specs[name].shape}"
+                    )
+                yield name, t
+
+
+def load_config(path: str | os.PathLike) -> BeamConfig:
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{path}: no config.json")
+    return BeamConfig.from_json_file(str(cfg_file))
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype=torch.bfloat16, device="cpu") -> BeamForCausalLM:
+    """Strictly load a reference model from a checkpoint directory; router tensors stay FP32."""
+    config = load_config(path)
+    with torch.device("meta"):
+        model = BeamForCausalLM(config)
+    specs = checkpoint_tensors(config)
+    state = {name: t.to(device=device, dtype=specs[name].dtype(dtype)) for name, t in read_tensors(path, config)}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()
