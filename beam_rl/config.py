@@ -81,15 +81,18 @@ class BeamConfig(PretrainedConfig):
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.final_logit_softcapping = final_logit_softcapping
-        self.rope_parameters = dict(rope_parameters) if rope_parameters else {"rope_type": "default", "rope_theta": 10000.0}
+        self.rope_parameters = normalize_rope_parameters(rope_parameters)
         self.initializer_range = initializer_range
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        self.tie_word_embeddings = tie_word_embeddings
+        # Ours first: transformers' own validators would reject some fields with less precise messages.
         self.validate_beam()
+        kwargs.setdefault("architectures", ["BeamForCausalLM"])
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     # -- derived quantities used everywhere -------------------------------------------------
     @property
     def rope_theta(self) -> float:
-        return float(self.rope_parameters["rope_theta"])
+        return float(self.rope_parameters["sliding_attention"]["rope_theta"])
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -139,7 +142,13 @@ class BeamConfig(PretrainedConfig):
             for i, t in enumerate(types):
                 if t not in allowed:
                     fail(field, f"entry {i} is {t!r}; allowed values are {allowed}")
-        rope = self.rope_parameters
+        if set(self.rope_parameters) != {"sliding_attention", "full_attention"}:
+            fail("rope_parameters", f"needs exactly the keys 'sliding_attention' and 'full_attention', got {sorted(self.rope_parameters)}")
+        if self.rope_parameters["full_attention"] is not None:
+            fail("rope_parameters.full_attention", "full-attention layers are NoPE (SSMax instead of RoPE); set it to null")
+        rope = self.rope_parameters["sliding_attention"]
+        if not isinstance(rope, dict):
+            fail("rope_parameters.sliding_attention", f"must be a mapping with rope_type and rope_theta, got {rope!r}")
         if rope.get("rope_type", "default") != "default":
             fail("rope_parameters.rope_type", f"only 'default' RoPE is implemented, got {rope.get('rope_type')!r}")
         if not isinstance(rope.get("rope_theta"), (int, float)) or rope["rope_theta"] <= 0:
@@ -166,6 +175,19 @@ class BeamConfig(PretrainedConfig):
             fail("final_logit_softcapping", f"must be a positive number or null, got {cap!r}")
 
 
+def normalize_rope_parameters(rope_parameters: dict | None) -> dict:
+    """The released layout, keyed by layer type: {"sliding_attention": {rope_type, rope_theta},
+    "full_attention": None (NoPE)}. A flat {rope_type, rope_theta} is accepted and nested."""
+    if not rope_parameters:
+        return {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None}
+    if "sliding_attention" in rope_parameters or "full_attention" in rope_parameters:
+        nested = dict(rope_parameters)
+        if isinstance(nested.get("sliding_attention"), dict):
+            nested["sliding_attention"] = dict(nested["sliding_attention"])
+        return nested
+    return {"sliding_attention": dict(rope_parameters), "full_attention": None}
+
+
 def default_layer_types(num_layers: int, full_every: int = 6) -> list[str]:
     """Beam's pattern: every `full_every`-th layer (1-based) and the last are full attention."""
     return [
@@ -180,16 +202,12 @@ def default_mlp_layer_types(num_layers: int, num_dense: int = 3) -> list[str]:
 
 
 def register_auto() -> None:
-    """Register `beam` with transformers' Auto classes (safe to call more than once)."""
+    """Register beam-rl's `beam` with transformers' Auto classes (idempotent)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from beam_rl.modeling import BeamForCausalLM
 
-    try:
-        AutoConfig.register("beam", BeamConfig)
-    except ValueError:
-        pass  # already registered (a second import, or vLLM's own plugin did it)
-    try:
-        AutoModelForCausalLM.register(BeamConfig, BeamForCausalLM)
-    except ValueError:
-        pass
+    # transformers >= 5.2x ships its own `beam`; ours replaces it so that `AutoConfig` /
+    # `AutoModelForCausalLM` on a Beam checkpoint give beam-rl's validated config and reference model.
+    AutoConfig.register("beam", BeamConfig, exist_ok=True)
+    AutoModelForCausalLM.register(BeamConfig, BeamForCausalLM, exist_ok=True)

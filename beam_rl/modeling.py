@@ -280,6 +280,8 @@ class BeamForCausalLM(BeamPreTrainedModel):
         """Strict load of a Beam checkpoint directory (see `beam_rl.checkpoint.load_checkpoint`)."""
         from beam_rl.checkpoint import load_checkpoint
 
+        for passed_by_auto_classes in ("config", "revision", "trust_remote_code", "adapter_kwargs"):
+            kwargs.pop(passed_by_auto_classes, None)
         if args or kwargs:
             raise TypeError(f"BeamForCausalLM.from_pretrained takes (path, dtype=, device=); got extra {args} {sorted(kwargs)}")
         return load_checkpoint(path, dtype=dtype, device=device)

@@ -29,8 +29,8 @@ PRESETS: dict[str, dict] = {
         n_group=8,
         topk_group=4,
         routed_scaling_factor=2.5,
-        final_logit_softcapping=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        final_logit_softcapping=30.0,  # transformers' upstream Beam config default
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None},
     ),
     "beam-mini": dict(
         vocab_size=32768,
@@ -51,7 +51,7 @@ PRESETS: dict[str, dict] = {
         topk_group=4,
         routed_scaling_factor=2.5,
         final_logit_softcapping=30.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None},
     ),
     "beam-tiny": dict(
         vocab_size=512,
@@ -72,7 +72,7 @@ PRESETS: dict[str, dict] = {
         topk_group=2,
         routed_scaling_factor=2.5,
         final_logit_softcapping=30.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None},
     ),
 }
 

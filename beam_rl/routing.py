@@ -79,5 +79,10 @@ def replay_experts(
     ids = ids.long()
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_experts):
         raise ValueError(f"replayed expert ids must be in [0, {num_experts}); got [{int(ids.min())}, {int(ids.max())}]")
+    if ids.shape[1] > 1:
+        sorted_ids = ids.sort(dim=-1).values
+        dup_rows = (sorted_ids[:, 1:] == sorted_ids[:, :-1]).any(dim=-1).nonzero().flatten()
+        if dup_rows.numel():
+            raise ValueError(f"replayed expert ids repeat an expert within a token (first at token {int(dup_rows[0])})")
     scores = torch.sigmoid(logits.float())
     return gate_weights(scores, ids, routed_scaling_factor, norm_topk_prob), ids
