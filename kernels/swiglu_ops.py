@@ -1,0 +1,62 @@
+"""SwiGLU activation of the dense MLP: silu(gate) * up in FP32, rounded only the product."""
+
+import torch
+
+from beam_rl import numerics
+
+from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
+
+
+@triton.jit
+def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, F, s_gt, s_ut, s_ot, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = f < F
+    g = tl.load(g_ptr + t * s_gt + f, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + t * s_ut + f, mask=m, other=0.0).to(tl.float32)
+    s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))  # ATen's silu: x / (1 + expf(-x))
+    tl.store(o_ptr + t * s_ot + f, (s * u).to(o_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    assert x.stride(-1) == 1, "the feature dim must be contiguous"
+    if x.dim() == 2:
+        return x
+    assert x.is_contiguous(), "tensors with more than 2 dims must be contiguous"
+    return x.view(-1, x.shape[-1])
+
+
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
+    """Compute SiLU and multiplication in FP32, rounding only the product (bit-exact to the reference).
+
+    `up=None` takes a packed gate_up [..., 2F] (gate first), as one GEMM of [gate; up] produces it."""
+    if up is None:
+        assert gate.shape[-1] % 2 == 0, "packed gate_up needs an even last dim"
+        width = gate.shape[-1] // 2
+        packed = _rows(gate)
+        g2, u2 = packed[:, :width], packed[:, width:]
+        out_shape = (*gate.shape[:-1], width)
+    else:
+        assert gate.shape == up.shape and gate.dtype == up.dtype, f"{gate.shape} vs {up.shape}"
+        width = gate.shape[-1]
+        g2, u2 = _rows(gate), _rows(up)
+        out_shape = tuple(gate.shape)
+    if out is None:
+        out = torch.empty(out_shape, dtype=gate.dtype, device=gate.device)
+    assert tuple(out.shape) == tuple(out_shape) and out.dtype == gate.dtype and out.is_contiguous()
+    if out.numel() == 0:
+        return out
+    o2 = out.view(-1, width)
+    block = min(2048, triton.next_power_of_2(width))
+    _silu_and_mul_kernel[(o2.shape[0], triton.cdiv(width, block))](
+        g2, u2, o2, width, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=4, **LAUNCH_OPTS)
+    return out
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch: Triton on CUDA, `numerics.silu_and_mul` elsewhere; `up=None` means packed [..., 2F] gate_up."""
+    if use_triton(gate, up):
+        return silu_and_mul_triton(gate, up)
+    if up is None:
+        gate, up = gate.chunk(2, dim=-1)
+    return numerics.silu_and_mul(gate, up)

@@ -1,0 +1,108 @@
+"""CPU tests of beam_rl.kernels: the dispatchers route to the references, the packing helper round-trips,
+and the ATen sum-order emulation is a plain FP32 sum in a fixed order. The Triton paths are tested on
+the GPU (tests/gpu/test_kernels_gpu.py)."""
+
+import pytest
+import torch
+
+import beam_rl.kernels as K
+from beam_rl import numerics, routing
+from beam_rl.kernels.reduce_order import cuda_order_sum, cuda_sum_config, mean_factor
+
+EPS = 1e-6
+
+
+def _bf16(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def test_import_without_cuda_dispatches_to_reference():
+    x, h = _bf16(3, 64), _bf16(3, 64)
+    w1, w2 = _bf16(64), _bf16(64)
+    assert torch.equal(K.rms_norm(x, w1, EPS), numerics.rms_norm(x, w1, EPS))
+    got = K.sublayer_boundary(x, h, w1, w2, 4, EPS)
+    ref = numerics.sublayer_boundary(x, h, w1, w2, 4, EPS)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert K.sublayer_boundary(x, h, w1, None, 4, EPS)[1] is None
+
+
+def test_qk_gate_swiglu_dispatch():
+    q, k, v = _bf16(5, 6, 32), _bf16(5, 2, 32), _bf16(5, 2, 32)
+    qw, kw = _bf16(32), _bf16(32)
+    pos = torch.tensor([0, 3, 9, 1, 2])
+    cs = numerics.rope_cos_sin_cache(16, 32, 10000.0)
+    got = K.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None)
+    ref = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    cache = torch.zeros(2, 3, 4, 2, 32, dtype=torch.bfloat16)
+    slots = torch.tensor([0, -1, 5, 11, 2])
+    K.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, None, numerics.ssmax_scale_cache(16), v=v, kv_cache=cache,
+                         slot_mapping=slots)
+    _, k_ref = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, None, numerics.ssmax_scale_cache(16))
+    assert torch.equal(cache[0].view(-1, 2, 32)[5], k_ref[2]) and torch.equal(cache[1].view(-1, 2, 32)[11], v[3])
+    assert torch.equal(cache[0].view(-1, 2, 32)[1], torch.zeros(2, 32, dtype=torch.bfloat16))  # slot -1 skipped
+    attn, gate, bias = _bf16(5, 6, 32), _bf16(5, 6, 32), _bf16(6)
+    assert torch.equal(K.output_gate(attn, gate, bias), numerics.output_gate(attn, gate, bias))
+    gu = _bf16(4, 2 * 48)
+    assert torch.equal(K.silu_and_mul(gu), numerics.silu_and_mul(gu[:, :48], gu[:, 48:]))
+    assert torch.equal(K.silu_and_mul(gu[:, :48], gu[:, 48:]), numerics.silu_and_mul(gu[:, :48], gu[:, 48:]))
+
+
+@pytest.mark.parametrize("hidden,experts,n_group,topk_group,top_k", [(128, 16, 4, 2, 4), (256, 64, 8, 4, 8)])
+def test_router_dispatch(hidden, experts, n_group, topk_group, top_k):
+    x, w, b = _bf16(7, hidden), torch.randn(experts, hidden), 0.1 * torch.randn(experts)
+    kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5)
+    wts, ids = K.route(x, w, b, **kw)
+    ref = routing.select_experts(routing.router_logits(x, w), b, **kw)
+    assert torch.equal(wts, ref[0]) and torch.equal(ids, ref[1])
+    rw, rids = K.replay(x, w, ids, routed_scaling_factor=2.5)
+    assert torch.equal(rw, wts) and torch.equal(rids, ids)
+
+
+@pytest.mark.parametrize("heads,kv,tp", [(6, 2, 1), (6, 2, 2), (8, 2, 4), (48, 8, 8)])
+def test_packing_round_trip(heads, kv, tp):
+    d, hidden = 32, 64
+    layout = K.QKVGateLayout(heads, kv, d, tp)
+    q, k, v, g = (torch.randn(n * d, hidden) for n in (heads, kv, kv, heads))
+    shards = [K.pack_qkv_gate(q, k, v, g, layout, r) for r in range(tp)]
+    assert all(s.shape == (layout.width, hidden) for s in shards)
+    for r, s in enumerate(shards):
+        uq, uk, uv, ug = K.unpack_qkv_gate(s, layout)
+        kvh = layout.kv_heads(r)
+        assert torch.equal(uk, k[kvh.start * d : kvh.stop * d]) and torch.equal(uv, v[kvh.start * d : kvh.stop * d])
+        x = torch.randn(3, hidden)
+        qo, ko, vo, go = K.split_qkv_gate(x @ s.t(), layout)  # one GEMM, four views
+        assert qo.shape == (3, layout.heads_per_rank, d) and ko.shape == (3, layout.kv_heads_per_rank, d)
+        torch.testing.assert_close(go.flatten(1), x @ g[r * layout.heads_per_rank * d :][: layout.sizes[3]].t())
+    full = K.unshard_qkv_gate(shards, layout)
+    assert all(torch.equal(a, b) for a, b in zip(full, (q, k, v, g)))
+
+
+def test_packing_replicates_kv_heads_and_validates():
+    layout = K.QKVGateLayout(8, 2, 16, 4)
+    assert [layout.kv_heads(r) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    with pytest.raises(ValueError, match="tp_size"):
+        K.QKVGateLayout(6, 2, 16, 4)
+    with pytest.raises(ValueError, match="width"):
+        K.split_qkv_gate(torch.zeros(2, 7), layout)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 5120), (3, 5120), (16, 5120), (1, 128), (8, 128), (48, 128), (5, 200), (2, 8)])
+def test_sum_order_emulation_is_a_plain_fp32_sum(rows, n):
+    x = torch.rand(rows, n)
+    got = cuda_order_sum(x)
+    torch.testing.assert_close(got.double(), x.double().sum(-1), rtol=n * 2**-24, atol=0)
+    ones = torch.ones(rows, n)
+    assert torch.equal(cuda_order_sum(ones), torch.full((rows,), float(n)))  # every element counted once
+
+
+def test_sum_config_matches_aten_launch_rules():
+    assert cuda_sum_config(5120, 1) == (4, 512, 3)
+    assert cuda_sum_config(5120, 8) == (4, 64, 20)
+    assert cuda_sum_config(5120, 16384) == (4, 32, 40)
+    assert cuda_sum_config(128, 48) == (1, 32, 1)
+    assert cuda_sum_config(128, 8) == (1, 64, 1)
+    assert cuda_sum_config(8, 64) == (1, 8, 1)
+    with pytest.raises(NotImplementedError):
+        cuda_sum_config(8192, 64)
+    assert mean_factor(5120) == float(torch.tensor(1 / 5120, dtype=torch.float32))
