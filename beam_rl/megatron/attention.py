@@ -1,0 +1,163 @@
+"""Beam's self-attention as a Megatron module (local spec, tensor-parallel projections).
+
+Per layer (global 1-based `layer_number`): sliding-window RoPE layers and full-attention NoPE +
+SSMax layers, chosen from Megatron's native `window_size` / `window_attn_skip_freq` and
+`no_rope_freq`; per-head Q/K RMSNorm (`qk_layernorm`, one weight over head_dim); Beam's per-head
+sigmoid output gate with a bias (its own projection; Megatron's `attention_output_gate` has no bias).
+
+Numerics (beam_rl.numerics): Q/K norm rounded after the weight multiply, RoPE (neox) or SSMax in
+FP32 rounded once (`qk_norm_rope_ssmax`, FP32 tables from `rope_cos_sin_cache` /
+`ssmax_scale_cache`); attention scores, softmax and the weighted sum in FP32 (`attention_dtype=
+"fp32"`, the default; the reference uses FP64, a documented reduction-order difference) or BF16
+inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA); output rounded once;
+output gate g = round(gate + bias), s = round(sigmoid(g)), out = round(attn * s).
+
+Positions: Beam's GPT model passes the position ids [b, s] where Megatron passes `rotary_pos_emb`;
+key j is visible to query i of the same row iff 0 <= pos_i - pos_j < window (window = None on
+full-attention layers), so right-padded batches need no extra mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from beam_rl import numerics
+
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _table(kind: str, device: torch.device, max_positions: int, head_dim: int = 0, theta: float = 0.0) -> torch.Tensor:
+    """FP32 RoPE / SSMax tables, shared by layers and kept out of the module state (so the BF16
+    wrapping cannot round them)."""
+    key = (kind, str(device), max_positions, head_dim, theta)
+    if key not in _TABLES:
+        if kind == "rope":
+            t = numerics.rope_cos_sin_cache(max_positions, head_dim, theta)
+        else:
+            t = numerics.ssmax_scale_cache(max_positions)
+        _TABLES[key] = t.to(device)
+    return _TABLES[key]
+
+
+@dataclass
+class BeamAttentionSubmodules:
+    linear_q: Union[ModuleSpec, type] = None
+    linear_k: Union[ModuleSpec, type] = None
+    linear_v: Union[ModuleSpec, type] = None
+    linear_gate: Union[ModuleSpec, type] = None
+    linear_proj: Union[ModuleSpec, type] = None
+    q_layernorm: Union[ModuleSpec, type] = None
+    k_layernorm: Union[ModuleSpec, type] = None
+
+
+class BeamSelfAttention(MegatronModule):
+    """GQA + Q/K norm + RoPE/SSMax + sliding window + per-head sigmoid output gate."""
+
+    def __init__(self, config, submodules: BeamAttentionSubmodules, layer_number: int, pg_collection=None,
+                 attention_dtype: str = "fp32", rope_theta: float = 10000.0, max_positions: int | None = None, **_):
+        super().__init__(config=config)
+        tp = pg_collection.tp.size() if pg_collection is not None else 1
+        self.layer_number = layer_number
+        self.head_dim = config.kv_channels
+        if config.num_attention_heads % tp or config.num_query_groups % tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} must divide num_attention_heads={config.num_attention_heads} "
+                f"and num_query_groups={config.num_query_groups}; lower the TP size"
+            )
+        if attention_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"attention_dtype must be 'fp32' or 'bf16', got {attention_dtype!r}")
+        self.attention_dtype = attention_dtype
+        self.heads = config.num_attention_heads // tp
+        self.kv_heads = config.num_query_groups // tp
+        self.eps = config.layernorm_epsilon
+        self.rope_theta = rope_theta
+        self.max_positions = max_positions
+        self.is_sliding = is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number)
+        self.is_nope = bool(config.no_rope_freq[layer_number - 1]) if config.no_rope_freq else False
+        if self.is_sliding == self.is_nope:
+            raise ValueError(
+                f"layer {layer_number}: Beam layers are either sliding-window RoPE or full-attention NoPE; "
+                "window_attn_skip_freq and no_rope_freq disagree"
+            )
+        # Megatron's window (left, right) counts earlier tokens; Beam's window includes the query.
+        self.window = config.window_size[0] + 1 if self.is_sliding else None
+
+        hidden, q_width, kv_width = config.hidden_size, config.num_attention_heads * self.head_dim, config.num_query_groups * self.head_dim
+        group = pg_collection.tp if pg_collection is not None else None
+
+        def column(spec, width, name):
+            return build_module(spec, hidden, width, config=config, init_method=config.init_method, gather_output=False,
+                                bias=False, skip_bias_add=False, is_expert=False, tp_comm_buffer_name=name, tp_group=group)
+
+        self.linear_q = column(submodules.linear_q, q_width, "q")
+        self.linear_k = column(submodules.linear_k, kv_width, "k")
+        self.linear_v = column(submodules.linear_v, kv_width, "v")
+        self.linear_gate = column(submodules.linear_gate, q_width, "gate")
+        self.gate_bias = torch.nn.Parameter(torch.zeros(self.heads, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.gate_bias, True, 0, 1)
+        if not config.qk_layernorm:
+            raise ValueError("Beam needs per-head Q/K RMSNorm; set qk_layernorm=True")
+        self.q_layernorm = build_module(submodules.q_layernorm, config=config, hidden_size=self.head_dim, eps=self.eps)
+        self.k_layernorm = build_module(submodules.k_layernorm, config=config, hidden_size=self.head_dim, eps=self.eps)
+        self.linear_proj = build_module(submodules.linear_proj, q_width, hidden, config=config,
+                                        init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+                                        skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj", tp_group=group)
+
+    def core_attention(self, q, k, v, positions):
+        """q [b, H, s, D], k/v [b, KV, s, D], positions [b, s] -> [b, H, s, D] rounded once."""
+        dist = positions[:, :, None] - positions[:, None, :]  # (b, s_q, s_k)
+        visible = dist >= 0
+        if self.window is not None:
+            visible &= dist < self.window
+        dtype = q.dtype
+        if self.attention_dtype == "fp32":
+            q, k, v = q.float(), k.float(), v.float()
+        groups = self.heads // self.kv_heads
+        if groups > 1:  # explicit GQA expansion: the memory-efficient SDPA kernel takes masks but not enable_gqa
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=1.0 / math.sqrt(self.head_dim))
+        return out.to(dtype)
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **kwargs):
+        """hidden_states [s, b, hidden]; `rotary_pos_emb` carries the position ids [b, s]."""
+        positions = rotary_pos_emb
+        if positions is None or positions.dtype.is_floating_point:
+            raise ValueError("BeamSelfAttention needs integer position ids [b, s]; build it through BeamGPTModel")
+        if kwargs.get("packed_seq_params") is not None:
+            raise NotImplementedError("packed sequences (THD) are not supported; pass right-padded [b, s] batches")
+        q, _ = self.linear_q(hidden_states)  # (s, b, H*D)
+        k, _ = self.linear_k(hidden_states)  # (s, b, KV*D)
+        v, _ = self.linear_v(hidden_states)
+        gate, _ = self.linear_gate(hidden_states)
+        s, b = q.shape[:2]
+        D = self.head_dim
+        flat_pos = positions.t().reshape(-1)  # (s*b,) sequence-major, like the tokens
+        max_pos = self.max_positions or int(flat_pos.max()) + 1
+        if int(flat_pos.max()) >= max_pos:
+            raise ValueError(f"position {int(flat_pos.max())} >= max_position_embeddings={max_pos}")
+        if self.is_nope:
+            tables = dict(cos_sin_cache=None, ssmax_cache=_table("ssmax", q.device, max_pos))
+        else:
+            tables = dict(cos_sin_cache=_table("rope", q.device, max_pos, D, self.rope_theta), ssmax_cache=None)
+        q, k = numerics.qk_norm_rope_ssmax(
+            q.reshape(s * b, self.heads, D), k.reshape(s * b, self.kv_heads, D),
+            self.q_layernorm.weight, self.k_layernorm.weight, flat_pos, self.eps, **tables,
+        )
+
+        def heads_first(t, n):  # (s*b, n, D) -> (b, n, s, D)
+            return t.view(s, b, n, D).permute(1, 2, 0, 3)
+
+        attn = self.core_attention(heads_first(q, self.heads), heads_first(k, self.kv_heads),
+                                   heads_first(v.reshape(s * b, self.kv_heads, D), self.kv_heads), positions)
+        attn = attn.permute(2, 0, 1, 3).reshape(s * b, self.heads, D)  # sequence-major tokens
+        out = numerics.output_gate(attn, gate.reshape(s * b, self.heads, D), self.gate_bias)
+        return self.linear_proj(out.view(s, b, self.heads * D))

@@ -1,0 +1,221 @@
+"""HF <-> Megatron weights for Beam: a declarative name table, TP/EP shard functions, loading and
+a streaming HF-named export for weight sync.
+
+Names come from `beam_rl.weights.checkpoint_tensors` (the released HF names); each row of
+`MAPPINGS` maps HF name pattern(s) to one Megatron parameter with `{layer}` / `{expert}` wildcards
+and says how it is sharded:
+
+- `replicated`: norms, Q/K norm weights, router weight and expert bias (FP32);
+- `column`: split dim 0 over TP (q/k/v/gate projections, gate bias per head, vocab rows of the
+  embedding and the LM head);
+- `row`: split dim 1 over TP (o_proj, down projections);
+- `glu`: two HF tensors (gate_proj, up_proj) -> Megatron's fused fc1; TP rank r holds
+  [gate_r; up_r] (Megatron's stride-2 layout).
+
+Experts are additionally split over EP: global expert e lives on EP rank e // (E / ep) as local
+expert e % (E / ep) (expert TP uses the same column/row/glu rules). Layers are local to a pipeline
+stage: HF layer = `layer_offset` + Megatron layer. Conversion copies bits: HF -> Megatron -> HF is
+exact (router tensors stay FP32).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from beam_rl.config import BeamConfig
+from beam_rl.weights import checkpoint_tensors
+
+
+@dataclass(frozen=True)
+class Mapping:
+    hf: tuple[str, ...]
+    megatron: str
+    shard: str  # replicated | column | row | glu
+
+
+_L = "model.layers.{layer}."
+_M = "decoder.layers.{layer}."
+_E = "mlp.experts.{expert}."
+_ME = "mlp.experts.local_experts.{expert}."
+MAPPINGS: tuple[Mapping, ...] = (
+    Mapping(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "column"),
+    Mapping(("model.norm.weight",), "decoder.final_layernorm.weight", "replicated"),
+    Mapping(("lm_head.weight",), "output_layer.weight", "column"),
+    Mapping((_L + "input_layernorm.weight",), _M + "input_layernorm.weight", "replicated"),
+    Mapping((_L + "post_attention_layernorm.weight",), _M + "post_self_attn_layernorm.weight", "replicated"),
+    Mapping((_L + "pre_feedforward_layernorm.weight",), _M + "pre_mlp_layernorm.weight", "replicated"),
+    Mapping((_L + "post_feedforward_layernorm.weight",), _M + "post_mlp_layernorm.weight", "replicated"),
+    Mapping((_L + "self_attn.q_proj.weight",), _M + "self_attention.linear_q.weight", "column"),
+    Mapping((_L + "self_attn.k_proj.weight",), _M + "self_attention.linear_k.weight", "column"),
+    Mapping((_L + "self_attn.v_proj.weight",), _M + "self_attention.linear_v.weight", "column"),
+    Mapping((_L + "self_attn.gate_proj.weight",), _M + "self_attention.linear_gate.weight", "column"),
+    Mapping((_L + "self_attn.gate_bias",), _M + "self_attention.gate_bias", "column"),
+    Mapping((_L + "self_attn.o_proj.weight",), _M + "self_attention.linear_proj.weight", "row"),
+    Mapping((_L + "self_attn.q_norm.weight",), _M + "self_attention.q_layernorm.weight", "replicated"),
+    Mapping((_L + "self_attn.k_norm.weight",), _M + "self_attention.k_layernorm.weight", "replicated"),
+    Mapping((_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), _M + "mlp.linear_fc1.weight", "glu"),
+    Mapping((_L + "mlp.down_proj.weight",), _M + "mlp.linear_fc2.weight", "row"),
+    Mapping((_L + "mlp.gate.weight",), _M + "mlp.router.weight", "replicated"),
+    Mapping((_L + "mlp.gate.e_score_correction_bias",), _M + "mlp.router.expert_bias", "replicated"),
+    Mapping((_L + _E + "gate_proj.weight", _L + _E + "up_proj.weight"), _M + _ME + "linear_fc1.weight", "glu"),
+    Mapping((_L + _E + "down_proj.weight",), _M + _ME + "linear_fc2.weight", "row"),
+)
+_BY_HF = {pattern: m for m in MAPPINGS for pattern in m.hf}
+_NUM = re.compile(r"(layers|experts)\.(\d+)\.")
+
+
+def hf_pattern(name: str) -> tuple[str, dict[str, int]]:
+    """'model.layers.3.mlp.experts.7.up_proj.weight' -> ('model.layers.{layer}.mlp.experts.{expert}.up_proj.weight', {layer: 3, expert: 7})."""
+    idx: dict[str, int] = {}
+
+    def sub(m: re.Match) -> str:
+        key = "layer" if m.group(1) == "layers" else "expert"
+        idx[key] = int(m.group(2))
+        return f"{m.group(1)}.{{{key}}}."
+
+    return _NUM.sub(sub, name), idx
+
+
+def mapping_for(hf_name: str) -> tuple[Mapping, dict[str, int]]:
+    pattern, idx = hf_pattern(hf_name)
+    if pattern not in _BY_HF:
+        raise KeyError(f"no Megatron mapping for HF tensor {hf_name!r} (pattern {pattern!r}); add a row to MAPPINGS")
+    return _BY_HF[pattern], idx
+
+
+# -- shard functions: pure tensor ops ------------------------------------------------------------
+def shard(tensors: tuple[torch.Tensor, ...], kind: str, rank: int, size: int) -> torch.Tensor:
+    """The rank-th of `size` shards of the Megatron tensor built from the HF tensor(s)."""
+    if kind == "replicated":
+        return tensors[0]
+    if kind == "glu":
+        gate, up = tensors
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    dim = {"column": 0, "row": 1}[kind]
+    full = tensors[0]
+    if full.shape[dim] % size:
+        raise ValueError(f"dim {dim} of size {full.shape[dim]} is not divisible by the parallel size {size}")
+    return full.chunk(size, dim=dim)[rank]
+
+
+def unshard(shards: list[torch.Tensor], kind: str) -> tuple[torch.Tensor, ...]:
+    """Inverse of `shard`: the HF tensor(s) from all ranks' shards (in rank order)."""
+    if kind == "replicated":
+        return (shards[0],)
+    if kind == "glu":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+    return (torch.cat(shards, dim={"column": 0, "row": 1}[kind]),)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: TP / EP rank and size, and the pipeline stage's layers."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    layer_offset: int = 0
+    num_layers: int | None = None  # layers on this stage (None: all)
+
+    def local_layer(self, layer: int) -> int | None:
+        local = layer - self.layer_offset
+        if local < 0 or (self.num_layers is not None and local >= self.num_layers):
+            return None
+        return local
+
+    def local_expert(self, expert: int, num_experts: int) -> int | None:
+        per_rank = num_experts // self.ep_size
+        return expert % per_rank if expert // per_rank == self.ep_rank else None
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], config: BeamConfig, layout: Layout = Layout()) -> dict[str, torch.Tensor]:
+    """This rank's Megatron state (names of `BeamGPTModel.state_dict()`) from full HF tensors."""
+    specs = checkpoint_tensors(config)
+    missing = [n for n in specs if n not in hf]
+    extra = [n for n in hf if n not in specs]
+    if missing or extra:
+        raise KeyError(f"HF tensors do not match the config: missing {missing[:3]}, unexpected {extra[:3]}")
+    out: dict[str, torch.Tensor] = {}
+    for name in specs:
+        m, idx = mapping_for(name)
+        if name != m.hf[0].format(**idx):
+            continue  # second tensor of a GLU pair, handled with the first
+        local = dict(idx)
+        if "layer" in idx:
+            local["layer"] = layout.local_layer(idx["layer"])
+            if local["layer"] is None:
+                continue
+        rank, size = layout.tp_rank, layout.tp_size
+        if "expert" in idx:
+            local["expert"] = layout.local_expert(idx["expert"], config.num_experts)
+            if local["expert"] is None:
+                continue
+        out[m.megatron.format(**local)] = shard(tuple(hf[p.format(**idx)] for p in m.hf), m.shard, rank, size)
+    return out
+
+
+def load_hf_into_model(model: torch.nn.Module, hf: dict[str, torch.Tensor], config: BeamConfig, layout: Layout = Layout()) -> None:
+    """Copy HF tensors into a Megatron Beam model (unwrapped or Float16Module); strict on names and
+    shapes, keeps each parameter's dtype (router tensors FP32)."""
+    inner = getattr(model, "module", model)
+    state = hf_to_megatron(hf, config, layout)
+    own = {k: v for k, v in inner.state_dict().items() if not k.endswith("_extra_state") and ".lora." not in k}
+    missing = sorted(set(own) - set(state))
+    extra = sorted(set(state) - set(own))
+    if missing or extra:
+        raise KeyError(f"Megatron state mismatch: missing {missing[:3]}, unexpected {extra[:3]} (pipeline layout?)")
+    with torch.no_grad():
+        for name, t in state.items():
+            if own[name].shape != t.shape:
+                raise ValueError(f"{name}: Megatron shape {tuple(own[name].shape)} != converted {tuple(t.shape)}")
+            own[name].copy_(t.to(own[name].dtype))
+
+
+def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return [t]
+    parts = [torch.empty_like(t) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+def export_hf(model: torch.nn.Module, config: BeamConfig, layout: Layout = Layout(), *, tp_group=None, ep_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream (HF name, full tensor) from a Megatron Beam model, in checkpoint order, one tensor
+    at a time (weight sync). TP / EP shards are all-gathered over `tp_group` / `ep_group`; every
+    rank of those groups must iterate together. Layers of other pipeline stages are skipped."""
+    inner = getattr(model, "module", model)
+    own = dict(inner.named_parameters())
+    own.update(inner.named_buffers())
+    per_rank = config.num_experts // layout.ep_size
+    done: set[str] = set()
+    for name in checkpoint_tensors(config):
+        if name in done:
+            continue
+        m, idx = mapping_for(name)
+        local = dict(idx)
+        if "layer" in idx:
+            local["layer"] = layout.local_layer(idx["layer"])
+            if local["layer"] is None:
+                continue
+        if "expert" in idx:
+            # Every EP rank holds expert e % per_rank; all-gather it and pick the owner's copy.
+            local["expert"] = idx["expert"] % per_rank
+            t = own[m.megatron.format(**local)].detach()
+            t = _gather(t, ep_group)[idx["expert"] // per_rank]
+        else:
+            t = own[m.megatron.format(**local)].detach()
+        tensors = unshard(_gather(t, tp_group), m.shard) if m.shard != "replicated" else (t,)
+        for pattern, tensor in zip(m.hf, tensors):
+            hf_name = pattern.format(**idx)
+            done.add(hf_name)
+            yield hf_name, tensor
+
+
+def iter_to_dict(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in items}

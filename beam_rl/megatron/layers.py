@@ -1,0 +1,88 @@
+"""Beam's decoder layer and GPT model on Megatron-Core.
+
+`BeamTransformerLayer` (a `TransformerLayer`): sandwich norms and depth-scaled residual adds,
+with the GLOBAL 1-based layer number L (Megatron adds the pipeline offset), so the attention add
+is n = 2L and the MLP add n = 2L + 1 on every pipeline stage:
+
+    x = prenorm(h); h, x = boundary(attn(x), h, n=2L); h, _ = boundary(mlp(x), h, n=2L+1)
+
+where `boundary` is `beam_rl.numerics.sublayer_boundary` (post-norm, round(y * x_scale) +
+round(h * r_scale), rounded). Dropout is not part of Beam (hidden_dropout must be 0).
+
+`BeamGPTModel` (a `GPTModel`, position_embedding_type="none"): hands the position ids to the
+layers where Megatron passes rotary embeddings, and returns FP32 soft-capped logits [b, s, V]
+(`numerics.softcap`) when it is the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from beam_rl import numerics
+
+
+@dataclass
+class BeamTransformerLayerSubmodules(TransformerLayerSubmodules):
+    post_self_attn_layernorm: Union[ModuleSpec, type] = None
+    post_mlp_layernorm: Union[ModuleSpec, type] = None
+
+
+class BeamTransformerLayer(TransformerLayer):
+    def __init__(self, config, submodules: BeamTransformerLayerSubmodules, layer_number: int = 1, **kwargs):
+        if config.hidden_dropout or config.attention_dropout:
+            raise ValueError("Beam has no dropout; set hidden_dropout=0 and attention_dropout=0")
+        super().__init__(config, submodules, layer_number=layer_number, **kwargs)
+        norm = dict(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
+        self.post_self_attn_layernorm = build_module(submodules.post_self_attn_layernorm, **norm)
+        self.post_mlp_layernorm = build_module(submodules.post_mlp_layernorm, **norm)
+
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
+                rotary_pos_emb=None, padding_mask=None, **kwargs):
+        """hidden_states: the residual stream [s, b, hidden]; returns (stream, context)."""
+        if kwargs.get("inference_context") is not None:
+            raise NotImplementedError("BeamTransformerLayer is a training layer; use the reference model or vLLM to generate")
+        eps = self.config.layernorm_epsilon
+        n = 2 * self.layer_number  # global: TransformerLayer adds the pipeline offset
+        h = hidden_states
+        x = self.input_layernorm(h)
+        attn, _ = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
+                                      packed_seq_params=kwargs.get("packed_seq_params"))
+        h, x = numerics.sublayer_boundary(attn, h, self.post_self_attn_layernorm.weight,
+                                          self.pre_mlp_layernorm.weight, n, eps)
+        if self.is_moe_layer:
+            mlp_out, _ = self.mlp(x, padding_mask=padding_mask)
+        else:
+            mlp_out, _ = self.mlp(x)
+        mlp_out = mlp_out.to(h.dtype)  # MoE combines in FP32 and rounds here, once
+        h, _ = numerics.sublayer_boundary(mlp_out, h, self.post_mlp_layernorm.weight, None, n + 1, eps)
+        return h, context
+
+
+class BeamGPTModel(GPTModel):
+    """GPTModel whose layers get position ids and whose output is FP32 soft-capped logits."""
+
+    def __init__(self, *args, final_logit_softcapping: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.final_logit_softcapping = final_logit_softcapping
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
+        if position_ids is None:
+            raise ValueError("BeamGPTModel needs position_ids [b, s] (int64)")
+        out[1] = position_ids.long()  # the rotary_pos_emb slot carries the position ids
+        return tuple(out)
+
+    def forward(self, input_ids, position_ids, attention_mask=None, *args, labels=None, **kwargs):
+        """input_ids, position_ids [b, s] -> FP32 logits [b, s, V] (soft-capped) on the last stage."""
+        if labels is not None:
+            raise ValueError("BeamGPTModel returns logits; compute losses with beam_rl.megatron.logprobs")
+        out = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if self.post_process:
+            return numerics.softcap(out, self.final_logit_softcapping)
+        return out

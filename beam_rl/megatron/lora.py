@@ -1,0 +1,155 @@
+"""LoRA on the Megatron Beam model, saved in PEFT's directory format (what vLLM loads).
+
+Targets: attention q/k/v/gate/o projections and the dense MLP (gate/up/down); the fused fc1 gets
+two adapters (gate, up) so each matches one HF module. Adapters hang off the existing Megatron
+linear modules (`module.lora`, applied by a forward hook), so parameter names of the base model,
+HF conversion and export are unchanged.
+
+Numerics (as PEFT's `Linear` with FP32 adapters, its default `autocast_adapter_dtype`):
+out = round(base(x) + scaling * B(A(x))) with the adapter path and the add in FP32; A, B stay FP32
+under BF16 wrapping. Tensor parallelism: TP1 only (raises otherwise).
+
+PEFT names: `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r];
+HF module names come from `convert.MAPPINGS` (one table for weights and adapters).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from beam_rl.config import BeamConfig
+from beam_rl.megatron.convert import MAPPINGS
+
+# Megatron module patterns (per layer) that get adapters, with their PEFT / HF module pattern(s).
+DEFAULT_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_gate", "linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LORA_TABLE = {
+    m.megatron[: -len(".weight")]: tuple(h[: -len(".weight")] for h in m.hf)
+    for m in MAPPINGS
+    if m.shard in ("column", "row", "glu") and "{expert}" not in m.megatron and "{layer}" in m.megatron
+}
+
+
+class LoRAAdapter(torch.nn.Module):
+    """One or two (A, B) pairs; two for a fused [gate | up] fc1. A, B are FP32."""
+
+    def __init__(self, in_features: int, out_features: tuple[int, ...], r: int, alpha: float):
+        super().__init__()
+        self.scaling = alpha / r
+        self.A = torch.nn.ParameterList(torch.nn.Parameter(torch.empty(r, in_features)) for _ in out_features)
+        self.B = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(o, r)) for o in out_features)
+        for a in self.A:
+            torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default init (B = 0)
+
+    def _apply(self, fn, recurse=True):
+        def keep_fp32(t):
+            moved = fn(t)
+            return t.to(device=moved.device) if moved.dtype != t.dtype else moved
+
+        return super()._apply(keep_fp32, recurse)
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return torch.cat([(xf @ a.t()) @ b.t() for a, b in zip(self.A, self.B)], dim=-1) * self.scaling
+
+
+def _lora_hook(module, inputs, output):
+    out, bias = output
+    return (out.float() + module.lora.delta(inputs[0])).to(out.dtype), bias
+
+
+def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:
+    """(Megatron module name, module, table pattern) of every targeted linear module."""
+    found = []
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
+            continue
+        pattern = ".".join(["decoder", "layers", "{layer}"] + parts[3:])
+        if pattern in _LORA_TABLE and any(pattern.endswith(t) for t in targets):
+            found.append((name, module, pattern))
+    return found
+
+
+def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets=DEFAULT_TARGETS) -> list[str]:
+    """Attach adapters to `model` (unwrapped or Float16Module), freeze everything else; returns the
+    adapted module names."""
+    inner = getattr(model, "module", model)
+    if inner.config.tensor_model_parallel_size != 1:
+        raise NotImplementedError("LoRA on the Megatron Beam model supports tensor_model_parallel_size=1 only")
+    bad = [t for t in targets if not any(p.endswith(t) for p in _LORA_TABLE)]
+    if bad:
+        raise ValueError(f"unknown LoRA targets {bad}; choose from {DEFAULT_TARGETS}")
+    for p in inner.parameters():
+        p.requires_grad_(False)
+    names = []
+    for name, module, pattern in _targets(inner, targets):
+        n_out = len(_LORA_TABLE[pattern])
+        out_features = module.weight.shape[0]
+        module.lora = LoRAAdapter(module.weight.shape[1], (out_features // n_out,) * n_out, r, alpha).to(module.weight.device)
+        module.register_forward_hook(_lora_hook)
+        names.append(name)
+    return names
+
+
+def _peft_items(model: torch.nn.Module, layer_offset: int = 0):
+    inner = getattr(model, "module", model)
+    for name, module in inner.named_modules():
+        if not hasattr(module, "lora"):
+            continue
+        parts = name.split(".")
+        pattern = ".".join(["decoder", "layers", "{layer}"] + parts[3:])
+        layer = int(parts[2]) + layer_offset
+        for hf, a, b in zip(_LORA_TABLE[pattern], module.lora.A, module.lora.B):
+            yield hf.format(layer=layer), module.lora.scaling, a, b
+
+
+def save_peft_adapter(model: torch.nn.Module, path: str | os.PathLike, config: BeamConfig, *, r: int, alpha: float,
+                      base_model_name_or_path: str = "") -> Path:
+    """Write adapter_config.json + adapter_model.safetensors (PEFT format, HF module names)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors, modules = {}, []
+    for hf, _, a, b in _peft_items(model):
+        tensors[f"base_model.model.{hf}.lora_A.weight"] = a.detach().float().contiguous().cpu()
+        tensors[f"base_model.model.{hf}.lora_B.weight"] = b.detach().float().contiguous().cpu()
+        modules.append(hf)
+    if not modules:
+        raise ValueError("the model has no LoRA adapters; call add_lora first")
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    adapter_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "modules_to_save": None,
+        # Full module names: "gate_proj" alone would also match the MoE experts' gate_proj.
+        "target_modules": sorted(modules), "base_model_name_or_path": base_model_name_or_path,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+    return path
+
+
+def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Copy a saved PEFT adapter back into a model that already has matching adapters."""
+    tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for hf, _, a, b in _peft_items(model):
+            a.copy_(tensors[f"base_model.model.{hf}.lora_A.weight"])
+            b.copy_(tensors[f"base_model.model.{hf}.lora_B.weight"])
+
+
+@torch.no_grad()
+def merged_hf_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """FP32 scaling * B @ A per HF weight name, to add to the exported base weights (full-weight sync)."""
+    return {f"{hf}.weight": scaling * (b.float() @ a.float()) for hf, scaling, a, b in _peft_items(model)}
+
+
+def export_merged(items, model: torch.nn.Module):
+    """Wrap `convert.export_hf(...)`: yield HF tensors with the LoRA deltas merged (FP32 add, rounded once)."""
+    deltas = merged_hf_deltas(model)
+    for name, t in items:
+        yield name, (t.float() + deltas[name].to(t.device)).to(t.dtype) if name in deltas else t

@@ -1,0 +1,99 @@
+"""MXFP8 for Beam's linear layers: Transformer Engine on Blackwell, emulation everywhere else.
+
+Emulated MXFP8 (OCP Microscaling): along the reduction dim (the last dim of both the activation
+[..., K] and the weight [N, K]) every block of 32 elements shares one E8M0 scale
+2^ceil(log2(amax / 448)) (the "RCEIL" rule of Blackwell's MXFP8 conversion and Transformer
+Engine: the block maximum maps to at most 448, so nothing saturates; the OCP "floor" rule
+2^(floor(log2(amax)) - 8) clips block maxima by up to 12.5%), the elements are cast to E4M3
+(`torch.float8_e4m3fn`, round to nearest even) and multiplied back. The GEMM then runs on the
+dequantised values in the activation dtype, which is what an MXFP8 tensor-core GEMM computes up to
+its FP32 accumulation order. Backward: straight-through (gradients of the dequantised GEMM), BF16.
+Applies to every Column/RowParallelLinear (attention q/k/v/gate/o, dense and expert MLPs); the
+router (FP32), embeddings and LM head stay BF16/FP32, as in TE's MXFP8 recipe.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+BLOCK = 32
+E4M3_MAX = 448.0
+
+
+def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (E4M3 values [..., K'], int E8M0 exponents [..., K'/32]); K' = K rounded up to 32."""
+    k = x.shape[-1]
+    pad = (-k) % BLOCK
+    xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
+    blocks = xf.reshape(*xf.shape[:-1], -1, BLOCK)  # (..., K'/32, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    exp = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E4M3_MAX)).clamp(-127, 127)
+    values = (blocks / torch.exp2(exp)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return values.reshape(xf.shape), exp.squeeze(-1).to(torch.int16)
+
+
+def mxfp8_dequantize(values: torch.Tensor, exp: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    blocks = values.float().reshape(*values.shape[:-1], -1, BLOCK) * torch.exp2(exp.float())[..., None]
+    return blocks.reshape(values.shape)[..., :k].to(dtype)
+
+
+class _FakeQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        values, exp = mxfp8_quantize(x)
+        return mxfp8_dequantize(values, exp, x.shape[-1], x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # straight-through
+
+
+def mxfp8_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Quantise-dequantise x to MXFP8 along its last dim (straight-through gradient)."""
+    return _FakeQuant.apply(x)
+
+
+def _wrap_forward_impl(module) -> None:
+    impl = module._forward_impl
+
+    def forward_impl(input, weight, *args, **kwargs):
+        return impl(mxfp8_fake_quant(input), mxfp8_fake_quant(weight), *args, **kwargs)
+
+    module._forward_impl = forward_impl
+
+
+class MXFP8ColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear with emulated MXFP8 activations and weights."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _wrap_forward_impl(self)
+
+
+class MXFP8RowParallelLinear(RowParallelLinear):
+    """RowParallelLinear with emulated MXFP8 activations and weights."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _wrap_forward_impl(self)
+
+
+def mxfp8_linear_classes(mode: str, *, fallback_to_emulation: bool = False):
+    """(column, row) linear classes for `mode` 'mxfp8-emulated' or 'mxfp8-te'."""
+    if mode == "mxfp8-emulated":
+        return MXFP8ColumnParallelLinear, MXFP8RowParallelLinear
+    if mode != "mxfp8-te":
+        raise ValueError(f"unknown MXFP8 mode {mode!r}; use 'mxfp8-emulated' or 'mxfp8-te'")
+    capable = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+    if not capable:
+        if fallback_to_emulation:
+            return MXFP8ColumnParallelLinear, MXFP8RowParallelLinear
+        raise RuntimeError(
+            "mode='mxfp8-te' needs Transformer Engine's MXFP8 recipe on compute capability >= 10 (Blackwell); "
+            "this device is not. Use mode='mxfp8-emulated' or set mxfp8_fallback_to_emulation=True"
+        )
+    raise NotImplementedError(
+        "mode='mxfp8-te' needs the Transformer Engine layer spec (TE is not installable on our machines); "
+        "use mode='mxfp8-emulated'"
+    )
