@@ -91,7 +91,8 @@ class BeamConfig(PretrainedConfig):
 
     # -- derived quantities used everywhere -------------------------------------------------
     @property
-    def rope_theta(self) -> float:
+    def sliding_rope_theta(self) -> float:
+        """RoPE base of the sliding-window layers (full-attention layers are NoPE)."""
         return float(self.rope_parameters["sliding_attention"]["rope_theta"])
 
     @property

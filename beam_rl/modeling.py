@@ -74,7 +74,7 @@ class BeamAttention(nn.Module):
         self.eps = config.rms_norm_eps
         self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if self.is_sliding else None
-        self.rope_theta = config.rope_theta
+        self.rope_theta = config.sliding_rope_theta
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_width, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
@@ -309,7 +309,7 @@ class BeamForCausalLM(BeamPreTrainedModel):
                     f"routed_experts has shape {tuple(routed_experts.shape)}; expected [batch, tokens, moe_layers, top_k] = {expected}"
                 )
         hidden, ids = self.model(input_ids, position_ids, cache, routed_experts)
-        logits = numerics.softcap(self.lm_head(hidden), self.config.final_logit_softcapping)
+        logits = numerics.lm_head_logits(hidden, self.lm_head.weight, self.config.final_logit_softcapping)
         return BeamCausalLMOutput(logits=logits, routed_experts=ids, cache=cache, hidden_states=hidden)
 
     @torch.no_grad()

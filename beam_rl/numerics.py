@@ -157,6 +157,23 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return acc.to(expert_out.dtype)
 
 
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """FP32 logits of final-normed hidden states [T, hidden] and the LM head [vocab, hidden]:
+    the GEMM accumulates in FP32 and is NOT rounded to BF16, then the soft cap in FP32.
+
+    Why FP32: a BF16 logit has a ulp of 0.0156 at |logit| in [2, 4) and 0.125 near a soft cap of
+    30, so one flipped rounding moves a token's log-prob by more than R3's whole 0.01 budget.
+    On CPU the GEMM accumulates in FP64 and rounds once to FP32 (independent of the token count,
+    so cached and uncached generation agree); on CUDA it is an FP32 GEMM (TF32 off). Every engine
+    calls this function, so all of them compute the same quantity.
+    """
+    if hidden.is_cuda:
+        logits = hidden.float() @ weight.float().t()
+    else:
+        logits = (hidden.double() @ weight.double().t()).float()
+    return softcap(logits, cap)
+
+
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     """FP32 logits; with a cap, tanh(x / cap) * cap in FP32."""
     logits = logits.float()

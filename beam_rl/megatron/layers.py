@@ -11,7 +11,8 @@ round(h * r_scale), rounded). Dropout is not part of Beam (hidden_dropout must b
 
 `BeamGPTModel` (a `GPTModel`, position_embedding_type="none"): hands the position ids to the
 layers where Megatron passes rotary embeddings, and returns FP32 soft-capped logits [b, s, V]
-(`numerics.softcap`) when it is the last pipeline stage.
+when it is the last pipeline stage. Its LM head is `FP32OutputLayer`: the logits GEMM
+accumulates in FP32 and is never rounded to BF16 (`numerics.lm_head_logits`, which says why).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -64,12 +66,31 @@ class BeamTransformerLayer(TransformerLayer):
         return h, context
 
 
+class FP32OutputLayer(tensor_parallel.ColumnParallelLinear):
+    """Megatron's vocab-parallel LM head computing `numerics.lm_head_logits` (FP32, unrounded)."""
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        weight = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            input_ = tensor_parallel.gather_from_sequence_parallel_region(input_)
+        else:
+            input_ = tensor_parallel.copy_to_tensor_model_parallel_region(input_)
+        logits = numerics.lm_head_logits(input_, weight, None)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return logits, None
+
+
 class BeamGPTModel(GPTModel):
     """GPTModel whose layers get position ids and whose output is FP32 soft-capped logits."""
 
     def __init__(self, *args, final_logit_softcapping: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.final_logit_softcapping = final_logit_softcapping
+        if self.post_process:
+            # GPTModel builds its output layer inline (not through the spec): swap in the FP32 head.
+            self.output_layer.__class__ = FP32OutputLayer
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
