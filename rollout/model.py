@@ -1,0 +1,138 @@
+"""Beam for vLLM: decoder layers with sandwich norms and depth-scaled residual adds (one fused
+boundary op per sublayer), vocab-parallel embedding, untied LM head, FP32 soft cap.
+
+The layer structure mirrors `beam_rl.modeling` line for line: `residual` is the depth-scaled
+stream, `x` the normed input of the next sublayer; each boundary computes post-norm, scaled add
+and the next pre-norm (the next layer's input norm, or the final norm after the last layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+from vllm.sequence import IntermediateTensors
+
+from beam_rl import numerics
+from beam_rl.config import BeamConfig
+from beam_rl.rollout import ops
+from beam_rl.rollout.attention import BeamAttention
+from beam_rl.rollout.capture import RoutingRecorder
+from beam_rl.rollout.moe import BeamDenseMLP, BeamMoE
+
+# HF checkpoint name -> (vLLM parameter, shard) for the stacked projections; experts are loaded by
+# vLLM's fused-MoE loader, everything else by name.
+HF_TO_VLLM = WeightsMapper(
+    orig_to_new_stacked={
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+        ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+    }
+)
+
+
+class BeamDecoderLayer(nn.Module):
+    def __init__(self, config: BeamConfig, layer_idx: int, cache_config, quant_config, recorder, prefix: str):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = ops.NormWeight(config.hidden_size)
+        self.self_attn = BeamAttention(config, layer_idx, cache_config, quant_config, prefix=f"{prefix}.self_attn")
+        self.post_attention_layernorm = ops.NormWeight(config.hidden_size)
+        self.pre_feedforward_layernorm = ops.NormWeight(config.hidden_size)
+        if config.mlp_layer_types[layer_idx] == "sparse":
+            self.mlp = BeamMoE(config, layer_idx, recorder, quant_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = BeamDenseMLP(config, quant_config, prefix=f"{prefix}.mlp")
+        self.post_feedforward_layernorm = ops.NormWeight(config.hidden_size)
+
+    def forward(self, positions, residual, x, next_norm_weight):
+        n = 2 * (self.layer_idx + 1)  # this layer's attention add; the MLP add is n + 1
+        attn = self.self_attn(positions, x)
+        residual, x = ops.sublayer_boundary(
+            attn, residual, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight, n, self.eps
+        )
+        mlp_out = self.mlp(x)
+        residual, x = ops.sublayer_boundary(
+            mlp_out, residual, self.post_feedforward_layernorm.weight, next_norm_weight, n + 1, self.eps
+        )
+        return residual, x
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0})
+class BeamModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", recorder: RoutingRecorder | None = None):
+        super().__init__()
+        config: BeamConfig = vllm_config.model_config.hf_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList(
+            BeamDecoderLayer(config, i, vllm_config.cache_config, vllm_config.quant_config, recorder, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = ops.NormWeight(config.hidden_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        residual = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # residual add 1
+        x = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, self.config.rms_norm_eps)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            residual, x = layer(positions, residual, x, next_norm.weight)
+        return x
+
+
+class BeamForCausalLM(nn.Module):
+    """vLLM entry point for `architectures: ["BeamForCausalLM"]` (registered by beam_rl.rollout)."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules: dict[str, str] = {}
+    hf_to_vllm_mapper = HF_TO_VLLM
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config: BeamConfig = vllm_config.model_config.hf_config
+        if get_pp_group().world_size > 1:
+            raise NotImplementedError("beam_rl.rollout does not support pipeline parallelism; set pipeline_parallel_size=1")
+        self.config = config
+        self.routing_recorder = RoutingRecorder(
+            vllm_config.scheduler_config.max_num_batched_tokens, config.num_hidden_layers,
+            config.num_experts_per_tok, config.num_experts,
+            device=torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"),
+        )
+        self.model = BeamModel(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model",
+                               recorder=self.routing_recorder)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """FP32 logits (`beam_rl.numerics.lm_head_logits`): FP32-accumulated LM head, never rounded
+        to BF16, gathered over TP ranks, vocab padding dropped, soft cap in FP32."""
+        local = numerics.lm_head_logits(hidden_states, self.lm_head.weight, None)
+        if get_tensor_model_parallel_world_size() > 1:
+            local = tensor_model_parallel_all_gather(local)
+        return numerics.softcap(local[..., : self.config.vocab_size], self.config.final_logit_softcapping)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)

@@ -1,0 +1,45 @@
+"""Client side of routed-expert capture: one call that returns each request's routing, from
+vLLM's own `CompletionOutput.routed_experts` where the runner fills it (GPU, Model Runner V1
+with `enable_return_routed_experts=True`) or from `BeamWorkerExtension` otherwise.
+
+The array is [prompt + generated - 1, num_hidden_layers, top_k] (the last sampled token never
+passes through the model). Rows of dense layers are not routed (zeros): select MoE layers by
+layer type with `moe_layers`, never by value.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from beam_rl.config import BeamConfig
+
+
+def fetch_routed_experts(llm, outputs) -> list[np.ndarray]:
+    """Routing of each `RequestOutput` in `outputs` (first completion), in order."""
+    native = [getattr(o.outputs[0], "routed_experts", None) for o in outputs]
+    if all(r is not None for r in native):
+        return [np.asarray(r) for r in native]
+    replies = llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outputs],))
+    got = replies[0]  # every TP rank routes identically; rank 0 answers
+    missing = [o.request_id for o in outputs if o.request_id not in got]
+    if missing:
+        raise RuntimeError(
+            f"no captured routing for requests {missing[:5]}: start the engine with "
+            "worker_extension_cls='beam_rl.rollout.worker.BeamWorkerExtension' and call "
+            "llm.collective_rpc('beam_start_routing_capture') before generating (or use "
+            "enable_return_routed_experts=True where vLLM supports it)"
+        )
+    out = []
+    for o in outputs:
+        shape, dtype, data = got[o.request_id]
+        out.append(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy())
+    return out
+
+
+def moe_layers(routed: np.ndarray, config: BeamConfig) -> np.ndarray:
+    """[tokens, num_hidden_layers, top_k] -> [tokens, moe_layers, top_k] by layer type."""
+    if routed.ndim != 3 or routed.shape[1] != config.num_hidden_layers or routed.shape[2] != config.num_experts_per_tok:
+        raise ValueError(
+            f"routed experts have shape {routed.shape}; expected [tokens, {config.num_hidden_layers}, {config.num_experts_per_tok}]"
+        )
+    return routed[:, config.moe_layer_ids]
