@@ -22,7 +22,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps
     ss = _sumsq_cuda_order(x_ptr, r * stride_x, row_ok, n, ROWS, BW, VEC, ITERS)
     inv = libdevice.rsqrt(ss * factor + eps)[:, None, None]
     off = _tile_offsets(BW, VEC)
-    for i in tl.static_range(ITERS):
+    for i in range(ITERS):
         e = i * 4 * BW + off
         m = row_ok & (e < n)
         x = tl.load(x_ptr + r * stride_x + e, mask=m, other=0.0).to(tl.float32)
@@ -42,7 +42,7 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
     inv = libdevice.rsqrt(ss * factor + eps)[:, None, None]
     off = _tile_offsets(BW, VEC)
     acc = tl.zeros([ROWS, BW, 4], dtype=tl.float32)
-    for i in tl.static_range(ITERS):
+    for i in range(ITERS):
         e = i * 4 * BW + off
         m = row_ok & (e < n)
         x = tl.load(x_ptr + r * stride_x + e, mask=m, other=0.0).to(tl.float32)
@@ -61,7 +61,7 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
         ss2 = _block_x_tree(_combine4(acc, ROWS, BW), ROWS, BW)
         inv2 = libdevice.rsqrt(ss2 * factor + eps)[:, None, None]
         tl.debug_barrier()  # h' rows written above are read back by other threads of this program
-        for i in tl.static_range(ITERS):
+        for i in range(ITERS):
             e = i * 4 * BW + off
             m = row_ok & (e < n)
             h = tl.load(hout_ptr + r * stride_ho + e, mask=m, other=0.0).to(tl.float32)

@@ -5,16 +5,18 @@ the row length N and the number of rows R (the launch configuration is picked fr
 that sums in any other order differs from the reference in the last FP32 bit of the mean for some
 rows, and that flips ~1 in 10^5 BF16 outputs. So our kernels sum in exactly that order:
 
-- config (`setReduceConfig`): rows longer than 128 are read as 4-wide vectors (vec=4, dim0 = N/4),
+- config (`setReduceConfig`): rows of 128 or more are read as 4-wide vectors (vec=4, dim0 = N/4),
   else element by element (vec=1, dim0 = N); block width bw = min(p2(dim0), 512 / min(p2(R), 512/32))
   (p2 = largest power of two <= x, capped at 512), one warp row per output;
 - thread t keeps four accumulators j = 0..3, summing sequentially over i the elements
   vec=4: 4t + 4bw*i + j, vec=1: t + bw*(4i + j); then ((a0 + a1) + a2) + a3;
-- block_x_reduce: for bw > 32 fold c[t] += c[t + off] for off = bw/2 .. 32 (shared memory),
-  then the warp tree c[t] += c[t + off] for off = 1, 2, 4, 8, 16 (lane 0 is the sum);
+- block_x_reduce: halving, c[t] += c[t + off] for off = bw/2, bw/4, ..., 1 (shared memory above a
+  warp, shuffles inside it); lane 0 holds the sum;
 - mean = sum * fl(1/N).
+Read off torch 2.11 on an H200 (scripts/diag_sum_order.py brute-forces the candidate orders against
+`x.pow(2).mean(-1)`; older releases vectorised only above 128 and paired adjacent warp lanes).
 Configurations the emulation does not model (a warp split, when N / bw >= 256 or >= 16 * block
-height, e.g. N >= 8192; a vector tail, N > 128 with N % 4 != 0) raise.
+height, e.g. N >= 8192; a vector tail, N >= 128 with N % 4 != 0) raise.
 """
 
 
@@ -34,9 +36,9 @@ def cuda_sum_config(n: int, rows: int) -> tuple[int, int, int]:
     """(vec, block_width, iters) of ATen's CUDA sum over the contiguous last dim of an FP32 [rows, n]."""
     if n <= 0 or rows <= 0:
         raise ValueError(f"empty reduction (n={n}, rows={rows})")
-    vec = 4 if n > 128 else 1
+    vec = 4 if n >= 128 else 1
     if vec == 4 and n % 4:
-        raise NotImplementedError(f"row length {n} > 128 is not a multiple of 4: ATen's vector tail is not emulated")
+        raise NotImplementedError(f"row length {n} >= 128 is not a multiple of 4: ATen's vector tail is not emulated")
     dim0 = n // vec
     dim0_p2 = _last_pow2(dim0) if dim0 < MAX_THREADS else MAX_THREADS
     dim1_p2 = _last_pow2(rows) if rows < MAX_THREADS else MAX_THREADS
@@ -64,11 +66,9 @@ def cuda_order_sum(x: torch.Tensor) -> torch.Tensor:
     for i in range(1, iters):
         acc = acc + tile[:, i]
     c = ((acc[..., 0] + acc[..., 1]) + acc[..., 2]) + acc[..., 3]  # (R, bw)
-    while c.shape[1] > WARP:
+    while c.shape[1] > 1:
         half = c.shape[1] // 2
         c = c[:, :half] + c[:, half:]
-    while c.shape[1] > 1:
-        c = c[:, 0::2] + c[:, 1::2]
     return c[:, 0]
 
 
@@ -88,7 +88,7 @@ def _combine4(acc, ROWS: tl.constexpr, BW: tl.constexpr):
 
 @triton.jit
 def _block_x_tree(c, ROWS: tl.constexpr, BW: tl.constexpr):
-    """ATen's block_x_reduce of c [ROWS, BW] -> [ROWS]: shared-memory folds, then the warp shuffle tree.
+    """ATen's block_x_reduce of c [ROWS, BW] -> [ROWS]: c[t] += c[t + BW/2], halving down to one.
 
     Each step sums an axis of size 2, which is a single (order-free) FP32 add."""
     if BW >= 512:
@@ -100,15 +100,15 @@ def _block_x_tree(c, ROWS: tl.constexpr, BW: tl.constexpr):
     if BW >= 64:
         c = tl.sum(tl.reshape(c, [ROWS, 2, 32]), axis=1)
     if BW >= 32:
-        c = tl.sum(tl.reshape(c, [ROWS, 16, 2]), axis=2)
+        c = tl.sum(tl.reshape(c, [ROWS, 2, 16]), axis=1)
     if BW >= 16:
-        c = tl.sum(tl.reshape(c, [ROWS, 8, 2]), axis=2)
+        c = tl.sum(tl.reshape(c, [ROWS, 2, 8]), axis=1)
     if BW >= 8:
-        c = tl.sum(tl.reshape(c, [ROWS, 4, 2]), axis=2)
+        c = tl.sum(tl.reshape(c, [ROWS, 2, 4]), axis=1)
     if BW >= 4:
-        c = tl.sum(tl.reshape(c, [ROWS, 2, 2]), axis=2)
+        c = tl.sum(tl.reshape(c, [ROWS, 2, 2]), axis=1)
     if BW >= 2:
-        c = tl.sum(tl.reshape(c, [ROWS, 1, 2]), axis=2)
+        c = tl.sum(tl.reshape(c, [ROWS, 2, 1]), axis=1)
     return tl.reshape(c, [ROWS])
 
 
@@ -130,7 +130,7 @@ def _sumsq_cuda_order(ptr, row_off, row_ok, n, ROWS: tl.constexpr, BW: tl.conste
     """sum(x^2) of rows ptr + row_off [ROWS, 1, 1] (length n, unit stride) in ATen's CUDA order -> [ROWS]."""
     off = _tile_offsets(BW, VEC)
     acc = tl.zeros([ROWS, BW, 4], dtype=tl.float32)
-    for i in tl.static_range(ITERS):
+    for i in range(ITERS):
         e = i * 4 * BW + off
         v = tl.load(ptr + row_off + e, mask=row_ok & (e < n), other=0.0).to(tl.float32)
         acc += v * v

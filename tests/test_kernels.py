@@ -100,8 +100,8 @@ def test_sum_config_matches_aten_launch_rules():
     assert cuda_sum_config(5120, 1) == (4, 512, 3)
     assert cuda_sum_config(5120, 8) == (4, 64, 20)
     assert cuda_sum_config(5120, 16384) == (4, 32, 40)
-    assert cuda_sum_config(128, 48) == (1, 32, 1)
-    assert cuda_sum_config(128, 8) == (1, 64, 1)
+    assert cuda_sum_config(128, 48) == (4, 32, 1)
+    assert cuda_sum_config(96, 8) == (1, 64, 1)
     assert cuda_sum_config(8, 64) == (1, 8, 1)
     with pytest.raises(NotImplementedError):
         cuda_sum_config(8192, 64)
