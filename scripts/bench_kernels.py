@@ -7,7 +7,7 @@ eager reference and over torch.compile of it, and whether each output is bit-ide
 reference. The FP32 router is timed at 1-64 tokens against cuBLAS FP32 GEMM + PyTorch top-k, both
 in CUDA graphs. Prints a table last; writes JSON rows to $OUT/kernels.json (or --out).
 
-    python scripts/bench_kernels.py [--quick] [--tune] [--out PATH]
+    python scripts/bench_kernels.py [--only k1,k2,...] [--tune] [--out PATH]
 """
 
 import argparse
@@ -226,7 +226,6 @@ def _dump(path, rows):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="prefill only for boundary; fewer cases")
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated kernel names")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.json"))
@@ -236,29 +235,25 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
     if args.tune:
         tune(copy_bw)
-    only = set(filter(None, args.only.split(",")))
+    names = [n for n in args.only.split(",") if n] or list(KERNELS) + list(ROUTERS)
     rows = []
-    for kernel, make in KERNELS.items():
-        if only and kernel not in only:
-            continue
-        for tokens in DECODE + [PREFILL]:
-            size = "8x2048" if tokens == PREFILL else f"{tokens}"
-            row = run_case(kernel, size, tokens, lambda: make(tokens), copy_bw, decode=tokens != PREFILL)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            _dump(args.out, rows)
-    for name in ROUTERS:
-        if only and name not in only:
-            continue
-        for tokens in DECODE:
-            row = run_case(name, f"{tokens}", tokens, lambda: case_router(tokens, name), copy_bw, decode=True)
+    for kernel in names:
+        if kernel in ROUTERS:
+            cases = [(f"{t}", t, (lambda t=t, k=kernel: case_router(t, k))) for t in DECODE]
+        else:
+            make = KERNELS[kernel]
+            cases = [("8x2048" if t == PREFILL else f"{t}", t, (lambda t=t, m=make: m(t))) for t in DECODE + [PREFILL]]
+        for size, tokens, thunk in cases:
+            row = run_case(kernel, size, tokens, thunk, copy_bw, decode=tokens != PREFILL)
             rows.append(row)
             print(json.dumps(row), flush=True)
             _dump(args.out, rows)
     meta = dict(device=torch.cuda.get_device_name(), copy_bandwidth_TBps=copy_bw / 1e12, torch=torch.__version__,
                 triton=triton.__version__, command=" ".join(["python"] + sys.argv))
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    for row in rows:  # a flat list of rows, each carrying the run's device, bandwidth and command
+        row.update(device=meta["device"], copy_bandwidth_TBps=round(meta["copy_bandwidth_TBps"], 3),
+                   torch=meta["torch"], triton=meta["triton"], command=meta["command"])
+    _dump(args.out, rows)
     print(json.dumps(meta))
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; decode rows timed as CUDA-graph replays, prefill with do_bench")
     hdr = f"{'kernel':18} {'size':>7} {'ours us':>9} {'eager us':>9} {'comp us':>9} {'x eager':>8} {'x comp':>7} " \
