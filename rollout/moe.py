@@ -25,7 +25,6 @@ from beam_rl.config import BeamConfig
 from beam_rl.rollout import ops
 from beam_rl.rollout.capture import RoutingRecorder
 from beam_rl.rollout.compat import make_fused_moe
-from beam_rl.routing import router_logits, select_experts
 
 
 class BeamDenseMLP(nn.Module):
@@ -48,23 +47,19 @@ class BeamDenseMLP(nn.Module):
 
 class BeamRouterGate(nn.Module):
     """`mlp.gate.weight` [E, hidden] and `mlp.gate.e_score_correction_bias` [E], both FP32,
-    replicated on every rank (vLLM builds the model under a BF16 default dtype: explicit FP32)."""
+    replicated on every rank (vLLM builds the model under a BF16 default dtype: explicit FP32).
+    The router GEMM itself runs in `ops.route`, fused with the top-k on CUDA."""
 
     def __init__(self, config: BeamConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            # FP32 GEMM (TF32 must stay off: vLLM does not enable it).
-            return x.float() @ self.weight.t()
-        return router_logits(x, self.weight)
-
 
 class CPUExperts(nn.Module):
     """Routed experts computed like the reference: w13 [E, 2F, hidden] (gate rows, then up rows),
-    w2 [E, hidden, F], loaded from the released per-expert names."""
+    w2 [E, hidden, F], loaded from the released per-expert names. Loading goes through each
+    parameter's `weight_loader`, so vLLM's in-place `reload_weights` can track and replay it."""
 
     def __init__(self, config: BeamConfig):
         super().__init__()
@@ -72,22 +67,24 @@ class CPUExperts(nn.Module):
         self.ffn = F_
         self.w13_weight = nn.Parameter(torch.empty(E, 2 * F_, H), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(E, H, F_), requires_grad=False)
+        self.w13_weight.weight_loader = self._load_expert
+        self.w2_weight.weight_loader = self._load_expert
+
+    def _load_expert(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, proj: str) -> None:
+        rows = {"gate_proj": slice(0, self.ffn), "up_proj": slice(self.ffn, 2 * self.ffn), "down_proj": slice(None)}
+        param.data[expert_id, rows[proj]].copy_(loaded_weight)
 
     def load_weights(self, weights):
         """Names relative to `mlp.experts`: `{e}.{gate,up,down}_proj.weight`."""
-        rows = {"gate_proj": slice(0, self.ffn), "up_proj": slice(self.ffn, 2 * self.ffn)}
         loaded = set()
         for name, tensor in weights:
             expert, proj, _ = name.split(".", 2)
-            e = int(expert)
-            if proj == "down_proj":
-                self.w2_weight.data[e].copy_(tensor)
-                loaded.add("w2_weight")
-            elif proj in rows:
-                self.w13_weight.data[e, rows[proj]].copy_(tensor)
-                loaded.add("w13_weight")
-            else:
+            if proj not in ("gate_proj", "up_proj", "down_proj"):
                 raise KeyError(f"unexpected expert tensor mlp.experts.{name}")
+            param_name = "w2_weight" if proj == "down_proj" else "w13_weight"
+            param = getattr(self, param_name)  # looked up each time: reloading swaps the objects
+            param.weight_loader(param, tensor, int(expert), proj)
+            loaded.add(param_name)
         return loaded
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -125,20 +122,18 @@ class BeamMoE(nn.Module):
         else:
             self.experts = CPUExperts(config)
 
-    def _route(self, hidden_states, gating_output, topk, renormalize):
-        """vLLM's custom-routing hook: (FP32 weights incl. routed scaling, expert ids)."""
-        c = self.config
-        weights, ids = select_experts(
-            gating_output, self.gate.e_score_correction_bias, top_k=topk, n_group=c.n_group,
-            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor, norm_topk_prob=renormalize,
-        )
+    def _route(self, hidden_states, gating_output=None, topk=None, renormalize=None):
+        """vLLM's custom-routing hook: (FP32 weights incl. routed scaling, int32 expert ids).
+        Routing is computed from the hidden states by `ops.route` (router GEMM + top-k fused on
+        CUDA); the config fixes top_k and renormalisation."""
+        weights, ids = ops.route(hidden_states, self.gate.weight, self.gate.e_score_correction_bias, self.config)
         if self.recorder is not None:
             self.recorder.record(self.layer_idx, ids)
         return weights, ids.to(torch.int32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
         if self.use_fused_moe:
-            return self.experts(hidden_states=x, router_logits=logits)
-        weights, ids = self._route(x, logits, self.config.num_experts_per_tok, self.config.norm_topk_prob)
-        return self.experts(x, weights, ids)
+            # vLLM hands `router_logits` to our custom routing function untouched (TP, no DP/EP
+            # gather); the fused router kernel computes the FP32 logits itself, so pass x.
+            return self.experts(hidden_states=x, router_logits=x)
+        return self.experts(x, *self._route(x))

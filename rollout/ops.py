@@ -12,7 +12,7 @@ import os
 import torch
 from torch import nn
 
-from beam_rl import numerics
+from beam_rl import kernels, numerics, routing
 from beam_rl.config import BeamConfig
 
 _TABLES: dict[tuple, torch.Tensor] = {}
@@ -39,72 +39,68 @@ class NormWeight(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
 
-def _table(kind: str, config: BeamConfig) -> torch.Tensor:
-    key = (kind, config.max_position_embeddings, config.head_dim, config.sliding_rope_theta)
-    if key not in _TABLES:
-        if kind == "rope":
-            _TABLES[key] = numerics.rope_cos_sin_cache(config.max_position_embeddings, config.head_dim, config.sliding_rope_theta)
-        else:
-            _TABLES[key] = numerics.ssmax_scale_cache(config.max_position_embeddings)
-    return _TABLES[key]
+class PositionTable:
+    """A shared FP32 table indexed by position (RoPE cos|sin, or SSMax factors). Not a module
+    buffer: it is derived from the config, never loaded or reloaded; one copy per device."""
+
+    def __init__(self, kind: str, config: BeamConfig):
+        self.key = (kind, config.max_position_embeddings, config.head_dim, config.sliding_rope_theta)
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        key = self.key + (str(device),)
+        if key not in _TABLES:
+            kind, max_pos, head_dim, theta = self.key
+            table = (numerics.rope_cos_sin_cache(max_pos, head_dim, theta) if kind == "rope"
+                     else numerics.ssmax_scale_cache(max_pos))
+            _TABLES[key] = table.to(device)
+        return _TABLES[key]
 
 
-class _Table(nn.Module):
-    """A shared FP32 position table, moved with the model but not a checkpoint tensor."""
-
-    def __init__(self, table: torch.Tensor):
-        super().__init__()
-        self.register_buffer("table", table, persistent=False)
+def rope_tables(config: BeamConfig) -> PositionTable:
+    return PositionTable("rope", config)
 
 
-def rope_tables(config: BeamConfig) -> _Table:
-    return _Table(_table("rope", config))
+def ssmax_table(config: BeamConfig) -> PositionTable:
+    return PositionTable("ssmax", config)
 
 
-def ssmax_table(config: BeamConfig) -> _Table:
-    return _Table(_table("ssmax", config))
-
-
-def qk_norm_positional(q, k, q_weight, k_weight, positions, eps, is_sliding: bool, tables: _Table):
+def qk_norm_positional(q, k, q_weight, k_weight, positions, eps, is_sliding: bool, table: PositionTable):
     """Per-head Q/K RMSNorm then RoPE (sliding layers) or SSMax on q (NoPE layers)."""
-    cos_sin = tables.table if is_sliding else None
-    ssmax = None if is_sliding else tables.table
-    if use_fused_kernels(q):
-        from beam_rl.kernels import qk_norm_rope_ssmax
-
-        return qk_norm_rope_ssmax(q, k, q_weight, k_weight, positions, eps, cos_sin, ssmax)
-    return numerics.qk_norm_rope_ssmax(q, k, q_weight, k_weight, positions, eps, cos_sin, ssmax)
+    cos_sin = table.on(q.device) if is_sliding else None
+    ssmax = None if is_sliding else table.on(q.device)
+    impl = kernels.qk_norm_rope_ssmax if use_fused_kernels(q) else numerics.qk_norm_rope_ssmax
+    return impl(q, k, q_weight, k_weight, positions, eps, cos_sin, ssmax)
 
 
 def output_gate(attn, gate, bias):
-    if use_fused_kernels(attn):
-        from beam_rl.kernels import output_gate as fused
-
-        return fused(attn, gate, bias)
-    return numerics.output_gate(attn, gate, bias)
+    return (kernels.output_gate if use_fused_kernels(attn) else numerics.output_gate)(attn, gate, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a packed [T, 2F] gate_up (gate first)."""
     if use_fused_kernels(gate_up):
-        from beam_rl.kernels import silu_and_mul as fused
-
-        return fused(gate_up)
+        return kernels.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return numerics.silu_and_mul(gate, up)
 
 
 def rms_norm(x, weight, eps):
-    if use_fused_kernels(x):
-        from beam_rl.kernels import rms_norm as fused
-
-        return fused(x, weight, eps)
-    return numerics.rms_norm(x, weight, eps)
+    return (kernels.rms_norm if use_fused_kernels(x) else numerics.rms_norm)(x, weight, eps)
 
 
 def sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps):
-    if use_fused_kernels(sublayer_out):
-        from beam_rl.kernels import sublayer_boundary as fused
+    impl = kernels.sublayer_boundary if use_fused_kernels(sublayer_out) else numerics.sublayer_boundary
+    return impl(sublayer_out, residual, post_weight, next_weight, add_index, eps)
 
-        return fused(sublayer_out, residual, post_weight, next_weight, add_index, eps)
-    return numerics.sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps)
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: BeamConfig):
+    """FP32 router GEMM + grouped sigmoid top-k -> (FP32 weights incl. routed scaling, ids).
+
+    CUDA: the fused router kernel (split-K FP32 GEMM + top-k in one launch); unfused CUDA: an FP32
+    cuBLAS GEMM + the PyTorch top-k; CPU: the reference (FP64-accumulated logits)."""
+    args = dict(top_k=config.num_experts_per_tok, n_group=config.n_group, topk_group=config.topk_group,
+                routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
+    if use_fused_kernels(x):
+        return kernels.route(x, weight, bias, **args)
+    logits = x.float() @ weight.t() if x.is_cuda else routing.router_logits(x, weight)
+    return routing.select_experts(logits, bias, **args)
