@@ -7,6 +7,7 @@ maps. Shapes use symbolic sizes resolved from a `BeamConfig`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -116,3 +117,11 @@ def checkpoint_tensors(config: BeamConfig) -> dict[str, TensorSpec]:
     add("model.norm.weight", GLOBAL_TENSORS["model.norm.weight"], "norm")
     add("lm_head.weight", GLOBAL_TENSORS["lm_head.weight"], "lm_head")
     return specs
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """sha256 (16 hex digits) of a tensor's dtype, shape and raw bytes: equal iff bit-identical."""
+    t = t.detach().contiguous().cpu()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

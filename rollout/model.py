@@ -16,11 +16,13 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import SupportsLoRA
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.sequence import IntermediateTensors
 
 from beam_rl import numerics
 from beam_rl.config import BeamConfig
+from beam_rl.weights import tensor_checksum
 from beam_rl.rollout import ops
 from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
@@ -98,8 +100,14 @@ class BeamModel(nn.Module):
         return x
 
 
-class BeamForCausalLM(nn.Module):
-    """vLLM entry point for `architectures: ["BeamForCausalLM"]` (registered by beam_rl.rollout)."""
+class BeamForCausalLM(nn.Module, SupportsLoRA):
+    """vLLM entry point for `architectures: ["BeamForCausalLM"]` (registered by beam_rl.rollout).
+
+    LoRA (PEFT adapters, `enable_lora=True`): attention q/k/v (packed into qkv_proj), the output
+    gate projection, o_proj, and the dense MLP's gate/up (packed) and down projections. Adapters
+    must name modules fully (e.g. `model.layers.0.mlp.gate_proj`), not by a bare suffix that would
+    also match the routed experts, which take no LoRA here.
+    """
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     embedding_modules: dict[str, str] = {}
@@ -111,6 +119,7 @@ class BeamForCausalLM(nn.Module):
         if get_pp_group().world_size > 1:
             raise NotImplementedError("beam_rl.rollout does not support pipeline parallelism; set pipeline_parallel_size=1")
         self.config = config
+        self.received_checksums: dict[str, str] | None = None  # set by BeamWorkerExtension to verify a sync
         self.routing_recorder = RoutingRecorder(
             vllm_config.scheduler_config.max_num_batched_tokens, config.num_hidden_layers,
             config.num_experts_per_tok, config.num_experts,
@@ -135,4 +144,12 @@ class BeamForCausalLM(nn.Module):
         return numerics.softcap(local[..., : self.config.vocab_size], self.config.final_logit_softcapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self.received_checksums is not None:
+            weights = self._checksummed(weights)
         return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
+    def _checksummed(self, weights):
+        """Record `tensor_checksum` of every tensor as received (HF names), for sync verification."""
+        for name, tensor in weights:
+            self.received_checksums[name] = tensor_checksum(tensor)
+            yield name, tensor

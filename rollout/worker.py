@@ -7,16 +7,11 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
   each step the rows the model's `RoutingRecorder` wrote are filed under their requests by
   position; `beam_pop_routed_experts` returns, per finished request, the same array vLLM puts in
   `CompletionOutput.routed_experts`.
-- Weights: `beam_weight_checksums` hashes the loaded tensors in checkpoint (HF) layout, so a
-  weight sync can be verified on both sides; `beam_reload_weights` reloads in place.
+- Weights: `beam_reload_weights` reloads a checkpoint in place and returns the checksum of every
+  tensor as received (HF names), so the sender can verify the sync tensor by tensor.
 """
 
 from __future__ import annotations
-
-import hashlib
-
-import numpy as np
-import torch
 
 from beam_rl.rollout.capture import RequestRouting
 
@@ -54,7 +49,7 @@ class BeamWorkerExtension:
         routing = getattr(self, "_beam_routing", None)
         if routing is None:
             raise RuntimeError("call beam_start_routing_capture before generating")
-        found: dict[str, np.ndarray] = {}
+        found: dict[str, tuple] = {}
         for internal in list(routing.rows):
             for rid in request_ids:
                 # vLLM may append a uniquifying suffix to the caller's request id.
@@ -64,14 +59,13 @@ class BeamWorkerExtension:
         return found
 
     # -- weights ----------------------------------------------------------------------------------
-    def beam_weight_checksums(self) -> dict[str, str]:
-        """sha256 of every parameter as held by this worker (after kernel-layout processing)."""
-        out = {}
-        for name, p in self._beam_model().named_parameters():
-            t = p.detach().contiguous().cpu()
-            out[name] = hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
-        return out
-
-    def beam_reload_weights(self, weights_path: str) -> bool:
-        self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-        return True
+    def beam_reload_weights(self, weights_path: str) -> dict[str, str]:
+        """Reload a checkpoint directory in place (vLLM's layerwise `reload_weights`); returns the
+        `tensor_checksum` of every tensor as received, by HF name, for the sender to compare."""
+        model = self._beam_model()
+        model.received_checksums = {}
+        try:
+            self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+            return dict(model.received_checksums)
+        finally:
+            model.received_checksums = None

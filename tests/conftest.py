@@ -26,3 +26,27 @@ def tiny_checkpoint(tiny_model, tmp_path_factory):
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tiny_checkpoint):
+    """One vllm-cpu engine on the beam-tiny checkpoint for the whole session (start costs ~35 s),
+    with beam-rl's worker extension and routing capture on. Tests must not change its weights
+    without restoring them."""
+    import os
+
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    # vLLM forks its engine; after torch CPU work in this process a forked child can hang in
+    # libgomp, so spawn instead.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(tiny_checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+        max_model_len=512, max_num_seqs=16, seed=0, enable_lora=True, max_lora_rank=8, max_loras=2,
+        worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension",
+    )
+    llm.collective_rpc("beam_start_routing_capture")
+    yield llm
+    del llm
