@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
+    __import__("beam_rl.eval.run").eval.run.add_eval_parser(sub)
+    __import__("beam_rl.sync.run").sync.run.add_sync_parser(sub)
+    __import__("beam_rl.gap").gap.add_gap_parser(sub)
     return parser
 
 

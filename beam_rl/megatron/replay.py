@@ -130,6 +130,13 @@ def clear_replay(model: torch.nn.Module) -> None:
         router.router_replay.clear_router_replay_action()
 
 
+def compact_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest dtype holding every expert id: uint8 for <= 256 experts (vLLM's), else int16/int32."""
+    if num_experts <= 256:
+        return torch.uint8
+    return torch.int16 if num_experts <= 1 << 15 else torch.int32
+
+
 def from_vllm(routed: np.ndarray | torch.Tensor, config: BeamConfig, num_tokens: int) -> torch.Tensor:
     """vLLM's per-request `routed_experts` [prompt + generated - 1, num_hidden_layers, top_k]
     (uint8) -> [num_tokens, moe_layers, top_k] int64 for a sequence of `num_tokens` tokens.
@@ -151,14 +158,15 @@ def from_vllm(routed: np.ndarray | torch.Tensor, config: BeamConfig, num_tokens:
     return torch.cat([t, last], dim=0)
 
 
-def pad_routed_experts(per_sequence: list[torch.Tensor], tokens: int, config: BeamConfig) -> torch.Tensor:
+def pad_routed_experts(per_sequence: list[torch.Tensor], tokens: int, config: BeamConfig, *, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Stack per-sequence [T_i, L, K] ids into the right-padded batch layout [B, tokens, L, K]
-    (padding rows get experts 0..K-1; padded tokens never influence real ones)."""
+    (padding rows get experts 0..K-1; padded tokens never influence real ones). `dtype`:
+    `compact_dtype(num_experts)` keeps rollout ids compact up to `set_replay`."""
     K, L = config.num_experts_per_tok, config.num_moe_layers
-    out = torch.arange(K).expand(len(per_sequence), tokens, L, K).clone()
+    out = torch.arange(K, dtype=dtype).expand(len(per_sequence), tokens, L, K).clone()
     for i, ids in enumerate(per_sequence):
-        ids = torch.as_tensor(ids).long()
+        ids = torch.as_tensor(ids)
         if ids.dim() != 3 or ids.shape[1:] != (L, K) or ids.shape[0] > tokens:
             raise ReplayError(f"sequence {i}: routed experts shape {tuple(ids.shape)}; expected [<= {tokens}, {L}, {K}]")
-        out[i, : ids.shape[0]] = ids
+        out[i, : ids.shape[0]] = ids.to(dtype)
     return out

@@ -1,0 +1,259 @@
+"""Rollout Routing Replay (R3), rollout side -> trainer side.
+
+The rollout engine reports, per request, the prompt and generated token ids, the sampled tokens'
+log-probs and the experts every token was routed to in every MoE layer. `RolloutSample` holds one
+request; `RolloutBatch` a validated list of them; `RolloutBatch.to_trainer` builds the trainer's
+right-padded micro-batch (`TrainerBatch`), whose `routed_experts` go straight to
+`beam_rl.megatron.logprobs.sequence_logprobs(..., routed_experts=...)` (which validates them
+against the model once more and hands them to Megatron's `RouterReplay`).
+
+Token order. A request of P prompt and G generated tokens is the sequence s = prompt + output
+(N = P + G tokens). The engine fed s[0..N-2] forward (the last sampled token never passes through
+the model), so it recorded N - 1 routing rows: row t = the experts of token s[t], prompt tokens
+included (prefill). In the trainer row b holds s at positions 0..N-1 followed by padding; routing
+row t of the request is routing row t of the trainer; row N - 1 (whose output predicts nothing
+inside the sequence) and padding rows get experts 0..K-1 (`replay.pad_routed_experts`). The
+rollout log-prob of output token j is the log-prob of s[P + j] given s[:P + j], i.e. trainer
+log-prob column P + j - 1 (`sequence_logprobs` puts log p(s[t + 1] | s[:t + 1]) at column t).
+
+Compactness: ids stay in the narrowest dtype (`uint8` for <= 256 experts, as vLLM returns them)
+in the samples and in `TrainerBatch.routed_experts`; they widen to int64 only inside `set_replay`.
+Dense-layer rows are dropped by layer type when a sample is made from vLLM's all-layer array.
+
+Packing (several sequences in one row) is not offered: the Megatron Beam attention sees one
+sequence per row (`packed_seq_params` raises), so the trainer consumes right-padded rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from beam_rl.config import BeamConfig
+
+
+class R3Error(ValueError):
+    """Rollout payload that does not fit the model or itself; the message names request and field."""
+
+
+def compact_np_dtype(num_experts: int) -> np.dtype:
+    """uint8 for <= 256 experts, else uint16 (what vLLM's routing capture returns)."""
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
+
+
+def _int_array(x, what: str, where: str) -> np.ndarray:
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise R3Error(f"{where}: {what} must be 1-D; got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise R3Error(f"{where}: {what} must hold integer token ids; got dtype {a.dtype}")
+    return a.astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    """One finished rollout request (the engine's outputs, untouched apart from dropping dense rows)."""
+
+    prompt_ids: np.ndarray
+    """[P] int64 prompt token ids (P >= 1)."""
+    output_ids: np.ndarray
+    """[G] int64 generated token ids (G >= 1)."""
+    logprobs: np.ndarray
+    """[G] float32: the engine's log-prob of each generated token (vLLM raw_logprobs)."""
+    routed_experts: np.ndarray
+    """[P + G - 1, moe_layers, top_k] expert ids of every token the engine fed forward, compact
+    dtype (uint8 for <= 256 experts)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @classmethod
+    def from_vllm(cls, output, routed: np.ndarray, config: BeamConfig, index: int = 0) -> "RolloutSample":
+        """From a vLLM `RequestOutput` (first completion, `logprobs=0` or more) and its routing
+        array [P + G - 1, num_hidden_layers, top_k] (`beam_rl.rollout.routing.fetch_routed_experts`)."""
+        where = f"request {index}"
+        comp = output.outputs[0]
+        if comp.logprobs is None:
+            raise R3Error(f"{where}: no log-probs in the vLLM output; sample with SamplingParams(logprobs=0)")
+        out_ids = list(comp.token_ids)
+        if len(comp.logprobs) != len(out_ids):
+            raise R3Error(f"{where}: {len(comp.logprobs)} log-prob entries for {len(out_ids)} generated tokens")
+        lps = []
+        for j, (tok, entry) in enumerate(zip(out_ids, comp.logprobs)):
+            if tok not in entry:
+                raise R3Error(f"{where}: generated token {j} (id {tok}) has no log-prob entry")
+            lps.append(entry[tok].logprob)
+        routed = np.asarray(routed)
+        if routed.ndim != 3 or routed.shape[1] != config.num_hidden_layers:
+            raise R3Error(
+                f"{where}: vLLM routed_experts shape {routed.shape}; expected [tokens - 1, num_hidden_layers="
+                f"{config.num_hidden_layers}, top_k={config.num_experts_per_tok}]"
+            )
+        moe = routed[:, config.moe_layer_ids]  # by layer type, never by value
+        return cls(
+            prompt_ids=np.asarray(output.prompt_token_ids, dtype=np.int64),
+            output_ids=np.asarray(out_ids, dtype=np.int64),
+            logprobs=np.asarray(lps, dtype=np.float32),
+            routed_experts=np.ascontiguousarray(moe),
+        )
+
+    def validate(self, config: BeamConfig, index: int = 0) -> None:
+        """Refuse anything that does not fit `config` or this request, naming request, field and layer."""
+        where = f"request {index}"
+        prompt = _int_array(self.prompt_ids, "prompt_ids", where)
+        output = _int_array(self.output_ids, "output_ids", where)
+        if len(prompt) < 1:
+            raise R3Error(f"{where}: prompt_ids is empty; a rollout needs at least one prompt token")
+        if len(output) < 1:
+            raise R3Error(f"{where}: output_ids is empty; nothing was generated to compare")
+        for name, ids in (("prompt_ids", prompt), ("output_ids", output)):
+            if ids.min() < 0 or ids.max() >= config.vocab_size:
+                raise R3Error(f"{where}: {name} must lie in [0, vocab_size={config.vocab_size}); got [{ids.min()}, {ids.max()}]")
+        lp = np.asarray(self.logprobs)
+        if lp.dtype.kind != "f":
+            raise R3Error(f"{where}: logprobs must be floating point; got dtype {lp.dtype}")
+        if lp.shape != (len(output),):
+            raise R3Error(f"{where}: logprobs shape {lp.shape}; expected [{len(output)}] (one per generated token)")
+        if not np.isfinite(lp).all() or (lp > 1e-6).any():
+            bad = int(np.flatnonzero(~np.isfinite(lp) | (lp > 1e-6))[0])
+            raise R3Error(f"{where}: logprobs[{bad}] = {lp[bad]} is not a finite log-probability (<= 0)")
+        self._validate_routing(config, where)
+
+    def _validate_routing(self, config: BeamConfig, where: str) -> None:
+        r = self.routed_experts
+        if not isinstance(r, np.ndarray):
+            raise R3Error(f"{where}: routed_experts must be a numpy array; got {type(r).__name__}")
+        want_dtype = compact_np_dtype(config.num_experts)
+        if r.dtype != want_dtype:
+            raise R3Error(
+                f"{where}: routed_experts dtype {r.dtype}; expected compact {want_dtype} for num_experts="
+                f"{config.num_experts} (convert with .astype(np.{want_dtype}) after checking the range)"
+            )
+        L, K = config.num_moe_layers, config.num_experts_per_tok
+        if r.ndim != 3:
+            raise R3Error(f"{where}: routed_experts must be [tokens - 1, moe_layers, top_k]; got shape {r.shape}")
+        rows = self.num_tokens - 1
+        if r.shape[0] != rows:
+            raise R3Error(
+                f"{where}: routed_experts has {r.shape[0]} token rows; prompt {len(self.prompt_ids)} + output "
+                f"{len(self.output_ids)} tokens need {rows} (every token but the last is routed)"
+            )
+        if r.shape[1] != L:
+            raise R3Error(
+                f"{where}: routed_experts has {r.shape[1]} layers; the config has {L} MoE layers "
+                f"{config.moe_layer_ids} (drop dense layers by type: RolloutSample.from_vllm)"
+            )
+        if r.shape[2] != K:
+            raise R3Error(f"{where}: routed_experts top_k = {r.shape[2]}; config num_experts_per_tok = {K}")
+        if r.size == 0:
+            return
+        over = np.argwhere(r >= config.num_experts)
+        if len(over):
+            t, layer, _ = over[0]
+            raise R3Error(
+                f"{where}: expert id {int(r[t, layer].max())} >= num_experts={config.num_experts} at token {t}, "
+                f"MoE layer {layer} (model layer {config.moe_layer_ids[layer]})"
+            )
+        srt = np.sort(r, axis=-1)
+        dup = np.argwhere((srt[..., 1:] == srt[..., :-1]).any(axis=-1))
+        if len(dup):
+            t, layer = dup[0]
+            raise R3Error(
+                f"{where}: token {t} repeats an expert in MoE layer {layer} (model layer "
+                f"{config.moe_layer_ids[layer]}): {r[t, layer].tolist()}"
+            )
+
+
+@dataclass(frozen=True)
+class TrainerBatch:
+    """One right-padded micro-batch in the trainer's token order (see the module docstring)."""
+
+    indices: tuple[int, ...]
+    """Request index (in the RolloutBatch) of each row."""
+    input_ids: torch.Tensor
+    """[B, T] int64, prompt + output, right-padded with 0."""
+    lengths: torch.Tensor
+    """[B] int64 real tokens per row (P + G)."""
+    prompt_lengths: torch.Tensor
+    """[B] int64."""
+    rollout_logprobs: torch.Tensor
+    """[B, T - 1] float32: the engine's log-prob of input_ids[:, t + 1] at column t; 0 off `mask`."""
+    mask: torch.Tensor
+    """[B, T - 1] bool: generated-token columns (the ones `sequence_logprobs` marks)."""
+    routed_experts: torch.Tensor
+    """[B, T, moe_layers, top_k] compact ids (uint8 for <= 256 experts) for `set_replay`."""
+    routed_rows: torch.Tensor = field(repr=False)
+    """[B, T] bool: rows the engine actually routed (t < P + G - 1), for routing comparisons."""
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Validated rollout requests of one model config."""
+
+    samples: tuple[RolloutSample, ...]
+    config: BeamConfig
+
+    def __post_init__(self):
+        if not self.samples:
+            raise R3Error("RolloutBatch needs at least one sample")
+        for i, s in enumerate(self.samples):
+            if not isinstance(s, RolloutSample):
+                raise R3Error(f"request {i}: expected a RolloutSample, got {type(s).__name__}")
+            s.validate(self.config, i)
+
+    @classmethod
+    def from_vllm(cls, outputs: Sequence, routed: Sequence[np.ndarray], config: BeamConfig) -> "RolloutBatch":
+        if len(outputs) != len(routed):
+            raise R3Error(f"{len(outputs)} vLLM outputs but {len(routed)} routing arrays")
+        return cls(tuple(RolloutSample.from_vllm(o, r, config, i) for i, o, r in zip(range(len(outputs)), outputs, routed)), config)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(s.output_ids) for s in self.samples)
+
+    def to_trainer(self, indices: Sequence[int] | None = None, *, pad_to_multiple: int = 1) -> TrainerBatch:
+        """Right-padded trainer micro-batch of the requests `indices` (all by default); the padded
+        width is rounded up to `pad_to_multiple` (e.g. the sequence-parallel size)."""
+        from beam_rl.megatron.replay import compact_dtype, pad_routed_experts
+
+        indices = tuple(range(len(self.samples))) if indices is None else tuple(int(i) for i in indices)
+        if not indices:
+            raise R3Error("to_trainer needs at least one request index")
+        for i in indices:
+            if not 0 <= i < len(self.samples):
+                raise R3Error(f"request index {i} is out of range for a batch of {len(self.samples)}")
+        if pad_to_multiple < 1:
+            raise R3Error(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+        samples = [self.samples[i] for i in indices]
+        B = len(samples)
+        T = max(s.num_tokens for s in samples)
+        T = -(-T // pad_to_multiple) * pad_to_multiple
+        input_ids = torch.zeros(B, T, dtype=torch.long)
+        rollout_lp = torch.zeros(B, T - 1, dtype=torch.float32)
+        lengths = torch.tensor([s.num_tokens for s in samples])
+        prompt_lengths = torch.tensor([len(s.prompt_ids) for s in samples])
+        for b, s in enumerate(samples):
+            P, N = len(s.prompt_ids), s.num_tokens
+            input_ids[b, :P] = torch.from_numpy(s.prompt_ids)
+            input_ids[b, P:N] = torch.from_numpy(s.output_ids)
+            rollout_lp[b, P - 1 : N - 1] = torch.from_numpy(np.asarray(s.logprobs, dtype=np.float32))
+        cols = torch.arange(1, T)[None]  # target position of column t
+        mask = (cols >= prompt_lengths[:, None]) & (cols < lengths[:, None])
+        routed = pad_routed_experts([torch.from_numpy(s.routed_experts) for s in samples], T, self.config,
+                                    dtype=compact_dtype(self.config.num_experts))
+        routed_rows = torch.arange(T)[None] < (lengths - 1)[:, None]
+        return TrainerBatch(indices, input_ids, lengths, prompt_lengths, rollout_lp, mask, routed, routed_rows)
+
+    def micro_batches(self, size: int, *, pad_to_multiple: int = 1):
+        """Consecutive `to_trainer` micro-batches of at most `size` requests."""
+        if size < 1:
+            raise R3Error(f"micro-batch size must be >= 1, got {size}")
+        for start in range(0, len(self.samples), size):
+            yield self.to_trainer(range(start, min(start + size, len(self.samples))), pad_to_multiple=pad_to_multiple)
