@@ -2,7 +2,8 @@
 `beam_rl.kernels` on CUDA, the `beam_rl.numerics` reference elsewhere (same rounding contract).
 
 `BEAM_RL_FUSED_KERNELS=0` forces the plain PyTorch reference on CUDA too (the benchmark's
-"compiled" and "eager" builds use it).
+"compiled" and "eager" builds use it). The fused kernels are registered as `beam_rl::*` torch
+custom ops, so vLLM's torch.compile and CUDA graphs treat each as one opaque call.
 """
 
 from __future__ import annotations
@@ -64,33 +65,91 @@ def ssmax_table(config: BeamConfig) -> PositionTable:
     return PositionTable("ssmax", config)
 
 
+@torch.library.custom_op("beam_rl::qk_norm_positional", mutates_args=())
+def _fused_qk_norm_positional(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                              positions: torch.Tensor, eps: float, table: torch.Tensor, is_sliding: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.qk_norm_rope_ssmax(q, k, q_weight, k_weight, positions, eps,
+                                      table if is_sliding else None, None if is_sliding else table)
+
+
+@_fused_qk_norm_positional.register_fake
+def _(q, k, q_weight, k_weight, positions, eps, table, is_sliding):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.custom_op("beam_rl::output_gate", mutates_args=())
+def _fused_output_gate(attn: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return kernels.output_gate(attn, gate, bias)
+
+
+@_fused_output_gate.register_fake
+def _(attn, gate, bias):
+    return torch.empty_like(attn)
+
+
+@torch.library.custom_op("beam_rl::silu_and_mul", mutates_args=())
+def _fused_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return kernels.silu_and_mul(gate_up)
+
+
+@_fused_silu_and_mul.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+@torch.library.custom_op("beam_rl::rms_norm", mutates_args=())
+def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return kernels.rms_norm(x, weight, eps)
+
+
+@_fused_rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("beam_rl::sublayer_boundary", mutates_args=())
+def _fused_boundary(sublayer_out: torch.Tensor, residual: torch.Tensor, post_weight: torch.Tensor,
+                    next_weight: torch.Tensor, add_index: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return kernels.sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps)
+
+
+@_fused_boundary.register_fake
+def _(sublayer_out, residual, post_weight, next_weight, add_index, eps):
+    return torch.empty_like(residual), torch.empty_like(residual)
+
+
 def qk_norm_positional(q, k, q_weight, k_weight, positions, eps, is_sliding: bool, table: PositionTable):
     """Per-head Q/K RMSNorm then RoPE (sliding layers) or SSMax on q (NoPE layers)."""
-    cos_sin = table.on(q.device) if is_sliding else None
-    ssmax = None if is_sliding else table.on(q.device)
-    impl = kernels.qk_norm_rope_ssmax if use_fused_kernels(q) else numerics.qk_norm_rope_ssmax
-    return impl(q, k, q_weight, k_weight, positions, eps, cos_sin, ssmax)
+    t = table.on(q.device)
+    if use_fused_kernels(q):
+        return _fused_qk_norm_positional(q, k, q_weight, k_weight, positions, eps, t, is_sliding)
+    return numerics.qk_norm_rope_ssmax(q, k, q_weight, k_weight, positions, eps,
+                                       t if is_sliding else None, None if is_sliding else t)
 
 
 def output_gate(attn, gate, bias):
-    return (kernels.output_gate if use_fused_kernels(attn) else numerics.output_gate)(attn, gate, bias)
+    return _fused_output_gate(attn, gate, bias) if use_fused_kernels(attn) else numerics.output_gate(attn, gate, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a packed [T, 2F] gate_up (gate first)."""
     if use_fused_kernels(gate_up):
-        return kernels.silu_and_mul(gate_up)
+        return _fused_silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return numerics.silu_and_mul(gate, up)
 
 
 def rms_norm(x, weight, eps):
-    return (kernels.rms_norm if use_fused_kernels(x) else numerics.rms_norm)(x, weight, eps)
+    return _fused_rms_norm(x, weight, eps) if use_fused_kernels(x) else numerics.rms_norm(x, weight, eps)
 
 
 def sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps):
-    impl = kernels.sublayer_boundary if use_fused_kernels(sublayer_out) else numerics.sublayer_boundary
-    return impl(sublayer_out, residual, post_weight, next_weight, add_index, eps)
+    """Post-norm, depth-scaled add, next pre-norm -> (residual', next input); always with a next norm
+    here (the last layer's is the final norm)."""
+    if use_fused_kernels(sublayer_out):
+        return _fused_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps)
+    return numerics.sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps)
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: BeamConfig):

@@ -1,0 +1,129 @@
+"""Rollout speed of the vLLM Beam model, three builds of the same model in one run (H200):
+
+    python scripts/bench_rollout.py --checkpoint /tmp/beam-gpu/beam-mini [--json OUT.json]
+
+- fused:    beam-rl's Triton kernels (BEAM_RL_FUSED_KERNELS=1), vLLM's torch.compile + CUDA graphs
+- compiled: Beam's operations in plain PyTorch (the numerics reference) under vLLM's default
+            torch.compile + CUDA graphs: what a user gets for free
+- eager:    the same plain PyTorch without compilation (CUDA graphs kept where vLLM allows it
+            without compilation; the build's actual compilation/cudagraph settings are printed)
+
+Batch-1 decode: ms per step from (t(1 + N tokens) - t(1 token)) / N; prefill: 8 x 2048-token
+prompts, one output token, prefix caching off. Medians of --repeats runs. Each build runs in its
+own process. Also reports whether fused and eager builds produce identical greedy tokens and
+log-probs (they share the numerics contract; compiled PyTorch may re-round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BUILDS = {
+    "fused": dict(env={"BEAM_RL_FUSED_KERNELS": "1"}, compilation=None),
+    "compiled": dict(env={"BEAM_RL_FUSED_KERNELS": "0"}, compilation=None),
+    "eager": dict(env={"BEAM_RL_FUSED_KERNELS": "0"}, compilation={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+}
+
+
+def run_build(args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    extra = {}
+    build = BUILDS[args.build]
+    if build["compilation"] is not None:
+        extra["compilation_config"] = build["compilation"]
+    t0 = time.time()
+    try:
+        llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+                  max_num_batched_tokens=16384, max_num_seqs=16, enable_prefix_caching=False,
+                  gpu_memory_utilization=0.6, seed=0, **extra)
+        mode = "as configured"
+    except Exception as err:  # no CUDA graphs without compilation on this vLLM: plain eager
+        print(f"[{args.build}] {extra} refused ({type(err).__name__}: {err}); using enforce_eager", flush=True)
+        llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+                  max_num_batched_tokens=16384, max_num_seqs=16, enable_prefix_caching=False,
+                  gpu_memory_utilization=0.6, seed=0, enforce_eager=True)
+        mode = "enforce_eager"
+    start_s = time.time() - t0
+    from beam_rl.checkpoint import load_config
+
+    vocab = load_config(args.checkpoint).vocab_size
+    prompt = [(i * 7919) % vocab for i in range(32)]
+
+    def timed(prompts, max_tokens):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    timed([prompt], 8)  # warm-up
+    n = args.decode_tokens
+    decode = [(timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3 for _ in range(args.repeats)]
+    long_prompts = [[(i * 31 + j * 17) % vocab for i in range(2048)] for j in range(8)]
+    timed(long_prompts, 1)
+    prefill = [timed(long_prompts, 1) * 1e3 for _ in range(args.repeats)]
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
+    return dict(build=args.build, mode=mode, engine_start_s=start_s, decode_ms=statistics.median(decode),
+                decode_ms_all=decode, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill,
+                tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--build", choices=sorted(BUILDS), help="(internal) run one build in this process")
+    ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.build:
+        print("RESULT " + json.dumps(run_build(args)), flush=True)
+        return 0
+    results = {}
+    for name, build in BUILDS.items():
+        env = {**os.environ, **build["env"]}
+        cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
+               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(proc.stdout[-3000:], proc.stderr[-5000:])
+            raise SystemExit(f"build {name} failed")
+        results[name] = json.loads(lines[-1][len("RESULT "):])
+        print(f"[{name}] start {results[name]['engine_start_s']:.0f} s, decode {results[name]['decode_ms']:.3f} ms/step, "
+              f"prefill {results[name]['prefill_ms']:.1f} ms ({results[name]['mode']})", flush=True)
+    import torch
+    import vllm
+
+    f, c, e = results["fused"], results["compiled"], results["eager"]
+    summary = {
+        "decode_ms_fused": f["decode_ms"], "decode_ms_compiled": c["decode_ms"], "decode_ms_eager": e["decode_ms"],
+        "prefill_ms_fused": f["prefill_ms"], "prefill_ms_compiled": c["prefill_ms"], "prefill_ms_eager": e["prefill_ms"],
+        "gpu": torch.cuda.get_device_name(0), "vllm_version": vllm.__version__,
+        "fused_equals_eager_tokens": f["tokens"] == e["tokens"],
+        "fused_equals_eager_logprobs": f["logprobs"] == e["logprobs"],
+        "compiled_equals_eager_logprobs": c["logprobs"] == e["logprobs"],
+        "eager_build_mode": e["mode"],
+    }
+    print("\n| build | decode ms/step (batch 1) | x vs eager | 8x2048 prefill ms | x vs eager |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['decode_ms']:.3f} | {e['decode_ms'] / r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | "
+              f"{e['prefill_ms'] / r['prefill_ms']:.2f} |")
+    print(f"fused vs compiled: decode {c['decode_ms'] / f['decode_ms']:.2f}x, prefill {c['prefill_ms'] / f['prefill_ms']:.2f}x")
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({**summary, "builds": results}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
