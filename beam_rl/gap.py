@@ -209,6 +209,11 @@ def build_trainer(checkpoint: str, config: BeamConfig, opts: GapOptions):
                 if hasattr(m, "lora"):
                     for b in m.lora.B:
                         b.copy_(torch.randn(b.shape, generator=g) * opts.lora_b_std)
+                    # The rollout computes with the adapter as it receives it, in BF16 (vLLM casts
+                    # LoRA weights to the model dtype): make the adapter BF16-exact so both sides
+                    # hold the same values (a trainer keeps FP32 masters and syncs rounded ones).
+                    for w in (*m.lora.A, *m.lora.B):
+                        w.copy_(w.to(torch.bfloat16).float())
     return model
 
 

@@ -1,0 +1,104 @@
+"""Where the R3-on gap comes from: one vLLM rollout, several trainer definitions (docs/r3.md).
+
+    python scripts/gap_sources.py --preset beam-tiny [--num-prompts 16 --max-tokens 64] [--json]
+
+Trainers, each recomputing the same rollout with its routing replayed:
+- megatron bf16 (the `beam-rl gap --mode bf16` trainer: FP32 attention, FP32 LM head)
+- megatron bf16, attention_dtype=bf16 (BF16 SDPA inputs, FP32 accumulation)
+- megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
+- megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
+- megatron mxfp8-emulated
+- the reference model (FP64 attention and router logits, the spec)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+
+def reference_deltas(checkpoint, batch):
+    import numpy as np
+    import torch
+
+    from beam_rl.checkpoint import load_checkpoint
+
+    ref = load_checkpoint(checkpoint)
+    out = []
+    with torch.no_grad():
+        for s in batch.samples:
+            ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.output_ids]))[None]
+            routed = torch.cat([torch.from_numpy(s.routed_experts).long(),
+                                torch.arange(batch.config.num_experts_per_tok).expand(1, batch.config.num_moe_layers, -1)])[None]
+            logits = ref(ids, routed_experts=routed).logits[0].float()
+            P = len(s.prompt_ids)
+            lp = torch.log_softmax(logits[P - 1 : -1], -1).gather(-1, ids[0, P:, None])[:, 0]
+            out.append(lp.double().numpy() - s.logprobs.astype(np.float64))
+    return out
+
+
+def main() -> None:
+    from beam_rl.gap import GapOptions, build_trainer, default_prompts, gap_stats, recompute, rollout, start_engine
+    from beam_rl.checkpoint import load_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="beam-tiny")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    opts = GapOptions(preset=args.preset, num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed, progress=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        from beam_rl.gap import _build_checkpoint
+
+        ckpt = str(_build_checkpoint(args.preset, args.seed, Path(tmp) / args.preset))
+        config = load_config(ckpt)
+        prompts = default_prompts(config, opts.num_prompts, opts.min_prompt_len, opts.max_prompt_len, opts.seed)
+        llm = start_engine(ckpt, config, opts, max_model_len=max(map(len, prompts)) + opts.max_tokens + 1)
+        batch = rollout(llm, prompts, config, opts, None)
+        del llm
+        rows = {}
+        variants = {
+            "megatron bf16 (gap --mode bf16)": dict(mode="bf16"),
+            "megatron bf16, attention_dtype=bf16": dict(mode="bf16", attention_dtype="bf16"),
+            "megatron bf16, LM head logits rounded to BF16": dict(mode="bf16", round_head=True),
+            "megatron fp32": dict(mode="fp32"),
+            "megatron mxfp8-emulated": dict(mode="mxfp8"),
+        }
+        for name, v in variants.items():
+            model = build_variant(ckpt, config, opts, v)
+            deltas, differ, pairs = recompute(model, batch, replay=True, micro_batch=8, progress=False)
+            rows[name] = gap_stats(deltas, differ, pairs)
+        rows["reference model (FP64 attention)"] = gap_stats(reference_deltas(ckpt, batch), 0, 1)
+    if args.json:
+        print(json.dumps({k: v.__dict__ for k, v in rows.items()}))
+        return
+    print(f"{args.preset}: {len(batch)} sequences x {args.max_tokens} tokens; trainer vs vLLM rollout, R3 on")
+    print(f"{'trainer':48s} {'mean |d|':>10s} {'max |d|':>10s} {'mean d':>10s}")
+    for name, s in rows.items():
+        print(f"{name:48s} {s.mean_abs_logprob_diff:10.3e} {s.max_abs_logprob_diff:10.3e} {s.mean_logprob_diff:+10.3e}")
+
+
+def build_variant(ckpt, config, opts, v):
+    import torch
+
+    from beam_rl.checkpoint import read_tensors
+    from beam_rl.gap import MODES
+    from beam_rl.megatron.cpu import init_single_process
+    from beam_rl.megatron.provider import BeamModelProvider
+
+    init_single_process(seed=opts.seed)
+    mode = MODES[v["mode"]].provider_mode if v["mode"] in MODES else v["mode"]
+    model = BeamModelProvider(config, mode=mode, attention_dtype=v.get("attention_dtype", "fp32")).provide_loaded(
+        dict(read_tensors(ckpt, config))).eval()
+    if v.get("round_head"):
+        head = getattr(model, "module", model).output_layer
+        head.register_forward_hook(lambda m, i, o: (o[0].to(torch.bfloat16).float(), o[1]))
+    return model
+
+
+if __name__ == "__main__":
+    main()
