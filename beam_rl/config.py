@@ -89,6 +89,11 @@ class BeamConfig(PretrainedConfig):
         kwargs.setdefault("architectures", ["BeamForCausalLM"])
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
+    def convert_rope_params_to_dict(self, **kwargs):
+        # transformers' generic converter assumes a flat rope_parameters and would add top-level
+        # RoPE keys to Beam's per-layer-type mapping (transformers' own Beam config does the same).
+        return kwargs
+
     # -- derived quantities used everywhere -------------------------------------------------
     @property
     def sliding_rope_theta(self) -> float:
