@@ -48,6 +48,16 @@ class BeamRouter(TopKRouter):
 
         return super()._apply(keep_fp32, recurse)
 
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """Megatron's expert-load bookkeeping, uncompiled: megatron-core 0.16.1 ANDs routing_map
+        [s*b, E] with the flattened padding_mask [s*b] (a shape error in training mode with padded
+        batches), and its torch.compile'd version recompiles on CPU for every new batch shape."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
     def gating(self, input: torch.Tensor) -> torch.Tensor:
         """FP32 logits [s, b, E] (or [T, E]) of input [..., hidden], accumulated in FP64."""
         flat = input.reshape(-1, input.shape[-1])
