@@ -89,6 +89,11 @@ class BeamConfig(PretrainedConfig):
         kwargs.setdefault("architectures", ["BeamForCausalLM"])
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
+    def to_dict(self) -> dict:
+        out = super().to_dict()
+        out["rope_parameters"] = {**out["rope_parameters"], "full_attention": None}  # the released layout
+        return out
+
     def convert_rope_params_to_dict(self, **kwargs):
         # transformers' generic converter assumes a flat rope_parameters and would add top-level
         # RoPE keys to Beam's per-layer-type mapping (transformers' own Beam config does the same).
@@ -148,10 +153,10 @@ class BeamConfig(PretrainedConfig):
             for i, t in enumerate(types):
                 if t not in allowed:
                     fail(field, f"entry {i} is {t!r}; allowed values are {allowed}")
-        if set(self.rope_parameters) != {"sliding_attention", "full_attention"}:
-            fail("rope_parameters", f"needs exactly the keys 'sliding_attention' and 'full_attention', got {sorted(self.rope_parameters)}")
-        if self.rope_parameters["full_attention"] is not None:
+        if "full_attention" in self.rope_parameters:
             fail("rope_parameters.full_attention", "full-attention layers are NoPE (SSMax instead of RoPE); set it to null")
+        if set(self.rope_parameters) != {"sliding_attention"}:
+            fail("rope_parameters", f"expects keys 'sliding_attention' (and 'full_attention': null), got {sorted(self.rope_parameters)}")
         rope = self.rope_parameters["sliding_attention"]
         if not isinstance(rope, dict):
             fail("rope_parameters.sliding_attention", f"must be a mapping with rope_type and rope_theta, got {rope!r}")
@@ -182,16 +187,19 @@ class BeamConfig(PretrainedConfig):
 
 
 def normalize_rope_parameters(rope_parameters: dict | None) -> dict:
-    """The released layout, keyed by layer type: {"sliding_attention": {rope_type, rope_theta},
-    "full_attention": None (NoPE)}. A flat {rope_type, rope_theta} is accepted and nested."""
+    """RoPE parameters keyed by layer type, holding only the RoPE layers: {"sliding_attention":
+    {rope_type, rope_theta}}. The released layout also lists `"full_attention": null` (NoPE); it
+    is accepted and written back by `to_dict`, but not held, because vLLM 0.26 and transformers
+    5.17 iterate the per-layer-type entries without expecting a null one. A flat
+    {rope_type, rope_theta} is accepted too."""
     if not rope_parameters:
-        return {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None}
+        return {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     if "sliding_attention" in rope_parameters or "full_attention" in rope_parameters:
-        nested = dict(rope_parameters)
-        if isinstance(nested.get("sliding_attention"), dict):
-            nested["sliding_attention"] = dict(nested["sliding_attention"])
+        nested = {k: (dict(v) if isinstance(v, dict) else v) for k, v in rope_parameters.items()}
+        if "full_attention" in nested and nested["full_attention"] is None:
+            del nested["full_attention"]
         return nested
-    return {"sliding_attention": dict(rope_parameters), "full_attention": None}
+    return {"sliding_attention": dict(rope_parameters)}
 
 
 def default_layer_types(num_layers: int, full_every: int = 6) -> list[str]:
