@@ -1,0 +1,161 @@
+"""Weight sync into running `vllm serve` servers: typed payloads, the strategy interface and its
+registry, and the HTTP client for one server.
+
+A strategy moves one `WeightUpdate` into one server and verifies it there (`apply`), and can put
+the previous weights back (`rollback`, which is `apply` of the previous update for full weights).
+The orchestrator (`beam_rl.sync.run`) pauses every server, applies, verifies, and only then
+resumes; strategies never pause or resume.
+
+Servers must run with `VLLM_SERVER_DEV_MODE=1` (`/pause`, `/resume`, `/collective_rpc`) and
+`--worker-extension-cls beam_rl.rollout.worker.BeamWorkerExtension`; LoRA hot-loading also needs
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` and `--enable-lora`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+class SyncError(RuntimeError):
+    """One server could not be updated / verified / rolled back; the message names it and why."""
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What a server should serve after the update."""
+
+    kind: str
+    """"full" (every base-model tensor, a checkpoint directory) or "lora" (a PEFT adapter)"""
+    path: str
+    """directory the servers read (they share the filesystem on CPU / disk sync)"""
+    checksums: dict[str, str] = field(default_factory=dict)
+    """HF name -> `tensor_checksum` of what the sender wrote / points to (full updates)"""
+    nbytes: int = 0
+    """bytes a server reads for this update"""
+    lora_name: str | None = None
+    """name the adapter is served under (LoRA updates)"""
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    url: str
+    seconds: float
+    nbytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class ServerClient:
+    """HTTP client for one vLLM OpenAI-compatible server (dev-mode routes included)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0):
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def _request(self, method: str, path: str, **kw):
+        import httpx
+
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise SyncError(f"{self.url}: {method} {path} failed: {type(e).__name__}: {e or 'no response'}") from e
+        if r.status_code != 200:
+            hint = ""
+            if r.status_code == 404 and path in ("/pause", "/resume", "/collective_rpc", "/is_paused"):
+                hint = " (start the server with VLLM_SERVER_DEV_MODE=1)"
+            if r.status_code == 404 and "lora" in path:
+                hint = " (start the server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora)"
+            raise SyncError(f"{self.url}: {method} {path} returned {r.status_code}{hint}: {r.text[:400]}")
+        return r
+
+    def check(self) -> None:
+        """Reachable, healthy and in dev mode."""
+        self._request("GET", "/health")
+        self._request("GET", "/is_paused")
+
+    def alive(self) -> bool:
+        try:
+            self._request("GET", "/health")
+            return True
+        except SyncError:
+            return False
+
+    def pause(self, mode: str = "wait") -> None:
+        self._request("POST", "/pause", params={"mode": mode})
+
+    def resume(self) -> None:
+        self._request("POST", "/resume")
+
+    def collective_rpc(self, method: str, *args: str) -> list:
+        body = {"method": method, "args": list(args), "timeout": self.timeout_s}
+        return self._request("POST", "/collective_rpc", json=body).json()["results"]
+
+    def models(self) -> dict[str, dict]:
+        return {m["id"]: m for m in self._request("GET", "/v1/models").json()["data"]}
+
+    def load_lora(self, name: str, path: str, inplace: bool) -> None:
+        self._request("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, "load_inplace": inplace})
+
+    def unload_lora(self, name: str) -> None:
+        self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class WeightSyncStrategy(ABC):
+    """Moves a `WeightUpdate` into one (paused) server and verifies it there."""
+
+    name: str = ""
+
+    @abstractmethod
+    def apply(self, server: ServerClient, update: WeightUpdate) -> ServerReport:
+        """Load `update` into `server` and verify it; raise `SyncError` naming the server on failure."""
+
+    def rollback(self, server: ServerClient, previous: WeightUpdate) -> None:
+        """Put `previous` back (verified); raise `SyncError` if that is impossible."""
+        self.apply(server, previous)
+
+
+STRATEGIES: dict[str, type[WeightSyncStrategy]] = {}
+
+
+def register_strategy(name: str):
+    def deco(cls):
+        cls.name = name
+        STRATEGIES[name] = cls
+        return cls
+
+    return deco
+
+
+def get_strategy(name: str, **kwargs) -> WeightSyncStrategy:
+    import beam_rl.sync.disk  # noqa: F401  (registers)
+    import beam_rl.sync.lora  # noqa: F401
+    import beam_rl.sync.nccl  # noqa: F401
+
+    if name not in STRATEGIES:
+        raise ValueError(f"--strategy {name!r}: choose one of {sorted(STRATEGIES)}")
+    return STRATEGIES[name](**kwargs)
+
+
+def compare_checksums(url: str, expected: dict[str, str], received: dict[str, str]) -> None:
+    """Raise SyncError naming the first tensors a server received differently from what was sent."""
+    missing = [n for n in expected if n not in received]
+    extra = [n for n in received if n not in expected]
+    wrong = [n for n in expected if n in received and received[n] != expected[n]]
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) not received, e.g. {missing[:3]}")
+        if extra:
+            parts.append(f"{len(extra)} unexpected tensor(s), e.g. {extra[:3]}")
+        if wrong:
+            parts.append(f"{len(wrong)} checksum mismatch(es), e.g. {wrong[:3]}")
+        raise SyncError(f"{url}: verification failed: " + "; ".join(parts))
