@@ -1,0 +1,97 @@
+"""`beam-rl gap` on beam-tiny (CPU): the CI check as a command, and the LoRA / MXFP8 modes on the
+shared session engine. Measured numbers are printed (run with -s); bounds are asserted."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("megatron.core")
+
+KEYS = ("mean_abs_logprob_diff", "max_abs_logprob_diff", "extreme_token_fraction", "router_disagreement", "num_tokens")
+
+
+def test_cli_bf16_json_ci_check(tmp_path):
+    """The issue's CI check, as a user runs it (its own engine, in a subprocess)."""
+    png = tmp_path / "gap.png"
+    # not this process's torch.distributed rendezvous (set by earlier Megatron tests): its port is taken
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "beam_rl.cli", "gap", "--preset", "beam-tiny", "--mode", "bf16", "--json", "--histogram", str(png)],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("\n" + json.dumps({k: report[k] for k in ("r3_on", "r3_off")}, indent=1))
+    for side in ("r3_on", "r3_off"):
+        assert all(k in report[side] for k in KEYS), report[side]
+    on, off = report["r3_on"], report["r3_off"]
+    assert on["num_tokens"] == off["num_tokens"] == 16 * 64
+    assert on["mean_abs_logprob_diff"] < 0.01
+    assert on["router_disagreement"] == 0.0  # the routers really replayed
+    assert off["router_disagreement"] > 0 and off["mean_abs_logprob_diff"] > on["mean_abs_logprob_diff"]
+    assert png.stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def gap_on_shared_engine(tiny_vllm, tiny_checkpoint):
+    from beam_rl.gap import GapOptions, run_gap
+
+    def run(mode, **kw):
+        opts = GapOptions(checkpoint=str(tiny_checkpoint), mode=mode, num_prompts=8, max_tokens=32, progress=False, **kw)
+        report = run_gap(opts, llm=tiny_vllm)
+        print(f"\n{mode}: R3 on {report['r3_on']}\n{mode}: R3 off {report['r3_off']}")
+        return report
+
+    return run
+
+
+def test_lora_mode_adapter_applied_on_both_sides(gap_on_shared_engine):
+    report = gap_on_shared_engine("lora")
+    on, off = report["r3_on"], report["r3_off"]
+    # Measured 0.014-0.015 with a strong random adapter (effect ~0.46): over the 0.01 bar, an open
+    # item in docs/r3.md (vLLM's BF16 LoRA arithmetic vs Megatron's FP32 adapter path); this
+    # guards the plumbing and keeps the number from growing.
+    assert on["mean_abs_logprob_diff"] < 0.03 and on["router_disagreement"] == 0.0
+    # an engine that ignored the adapter would be off by the adapter's own effect
+    assert report["lora_effect_mean_abs_logprob"] > 10 * on["mean_abs_logprob_diff"]
+    assert off["mean_abs_logprob_diff"] > on["mean_abs_logprob_diff"]
+
+
+def test_mxfp8_mode(gap_on_shared_engine):
+    report = gap_on_shared_engine("mxfp8")
+    on, off = report["r3_on"], report["r3_off"]
+    # MXFP8 quantisation itself (3-bit mantissas on a random, untrained beam-tiny) moves log-probs
+    # by ~0.1 (test_megatron_weights bounds it by 0.25); the 0.03 bar is for beam-mini on the H200
+    # (scripts/gap_h200.sh). Here: replay happened and R3 removes the routing part of the gap.
+    assert on["mean_abs_logprob_diff"] < 0.25 and on["router_disagreement"] == 0.0
+    assert off["router_disagreement"] > 0 and off["mean_abs_logprob_diff"] > on["mean_abs_logprob_diff"]
+
+
+def test_rollout_batch_from_real_engine(tiny_vllm, tiny_config):
+    """vLLM's outputs -> RolloutBatch: compact ids, dense rows dropped, one row per fed token."""
+    from vllm import SamplingParams
+
+    from beam_rl.r3 import R3Error, RolloutBatch, RolloutSample
+    from beam_rl.rollout.routing import fetch_routed_experts
+
+    prompts = [[1, 2, 3], list(range(10, 30))]
+    outs = tiny_vllm.generate([{"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, logprobs=0, seed=1, detokenize=False),
+                              use_tqdm=False)
+    routed = fetch_routed_experts(tiny_vllm, outs)
+    batch = RolloutBatch.from_vllm(outs, routed, tiny_config)
+    for s, p, r in zip(batch.samples, prompts, routed):
+        assert s.prompt_ids.tolist() == p and len(s.output_ids) == 5
+        assert s.routed_experts.dtype == np.uint8 and s.routed_experts.shape == (len(p) + 4, tiny_config.num_moe_layers, 4)
+        assert np.array_equal(s.routed_experts, r[:, tiny_config.moe_layer_ids])
+    with pytest.raises(R3Error, match="request 1: vLLM routed_experts shape"):
+        RolloutBatch.from_vllm(outs, [routed[0], routed[1][:, 1:]], tiny_config)
+    with pytest.raises(R3Error, match="request 0: no log-probs"):
+        plain = tiny_vllm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
+        RolloutSample.from_vllm(plain[0], fetch_routed_experts(tiny_vllm, plain)[0], tiny_config)
