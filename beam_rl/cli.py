@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     __import__("beam_rl.eval.run").eval.run.add_eval_parser(sub)
     __import__("beam_rl.sync.run").sync.run.add_sync_parser(sub)
     __import__("beam_rl.gap").gap.add_gap_parser(sub)
+    __import__("beam_rl.dapo.cli").dapo.cli.add_dapo_parser(sub)
+    __import__("beam_rl.dapo.cli").dapo.cli.add_plot_parser(sub)
     return parser
 
 

@@ -1,0 +1,48 @@
+"""`beam-rl dapo` and `beam-rl plot` subcommands (hooked into beam_rl.cli.build_parser)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def cmd_dapo(args) -> int:
+    from beam_rl.dapo.config import load_recipe
+    from beam_rl.dapo.loop import R3GapError, run_dapo, summarize
+
+    recipe = load_recipe(args.recipe)
+    out = args.out or recipe.run.out
+    t0 = time.perf_counter()
+    try:
+        history = run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after)
+    except R3GapError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    s = summarize(history, recipe.rollout.eval_samples)
+    k = recipe.rollout.eval_samples
+    print(f"done in {time.perf_counter() - t0:.1f} s: held-out avg@{k} {s['warm_start']:.3f} (warm start) -> {s['final']:.3f}; "
+          f"per-step mean |delta logprob| (R3) " + " ".join(f"{g:.4f}" for g in s["gaps"]) + f"; metrics in {out}/metrics.jsonl")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from beam_rl.dapo.plot import plot_run
+
+    for p in plot_run(args.run_dir):
+        print(p)
+    return 0
+
+
+def add_dapo_parser(sub) -> None:
+    p = sub.add_parser("dapo", help="DAPO with R3 on one node (vLLM rollout + Megatron training + verified sync)")
+    p.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
+    p.add_argument("--out", default=None, help="run directory (default: the recipe's run.out)")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's last complete checkpoint")
+    p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step, as if killed")
+    p.set_defaults(func=cmd_dapo)
+
+
+def add_plot_parser(sub) -> None:
+    p = sub.add_parser("plot", help="PNG curves of a DAPO run's metrics.jsonl (written to RUN_DIR/plots)")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_plot)

@@ -1,0 +1,256 @@
+"""Typed recipe config: dataclasses that mirror the recipe YAML 1:1, one docstring per field.
+
+`load_recipe(path)` reads YAML into `Recipe`; an unknown key raises `RecipeError` naming the
+dotted key and the keys that are allowed there; bad values name the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe key or value is wrong; the message names the field."""
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    """Seeds data order, vLLM sampling seeds, LoRA init and everything else random."""
+    total_steps: int = 8
+    """DAPO steps (one rollout batch + `dapo.updates_per_step` optimizer updates each)."""
+    checkpoint_every: int = 4
+    """Write an atomic checkpoint every N steps (and always at the end)."""
+    eval_every: int = 4
+    """Held-out avg@k every N steps (and at step 0, the warm start, and at the end)."""
+    out: str = "runs/dapo"
+    """Run directory (metrics.jsonl, tb/, checkpoints/); `--out` overrides."""
+    max_mean_abs_logprob_diff: float = 0.01
+    """R3 budget: the run ends with an error if any step's mean |trainer - rollout logprob| exceeds it
+    (0.03 is the budget for mxfp8)."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "beam-tiny"
+    """A `beam_rl.presets` name; the vocabulary must hold the task tokenizer."""
+    init_seed: int = 0
+    """Seed of the random initial weights (ignored with `checkpoint`)."""
+    checkpoint: str | None = None
+    """Start from this HF checkpoint directory instead of a seeded random model."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"
+    """Built-in task; only 'arithmetic' (small-integer arithmetic, integer-answer reward)."""
+    max_operand: int = 9
+    """Operands lie in [0, max_operand]."""
+    ops: str = "+"
+    """Operators to use, from '+-*'."""
+    heldout_fraction: float = 0.25
+    """Fraction of all problems held out for evaluation (disjoint from training)."""
+    seed: int = 0
+    """Seed of the train / held-out split."""
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 20
+    """Supervised steps (teacher-forced answers) before DAPO; 0 skips the warm start."""
+    batch_size: int = 64
+    """Problems per supervised step."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm start."""
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_step: int = 16
+    """Groups kept for training per step (after dynamic sampling)."""
+    max_response_tokens: int = 6
+    """Generation cap (DAPO's max length L_max, counting </s>)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer computes log-probs at the same temperature)."""
+    eval_samples: int = 8
+    """k of the held-out avg@k (`heldout_avg8` is logged under this name for k = 8)."""
+    max_model_len: int = 64
+    """vLLM max_model_len."""
+    kv_cache_gib: float = 1.0
+    """CPU engines: VLLM_CPU_KVCACHE_SPACE in GiB."""
+    gpu_memory_utilization: float = 0.5
+    """GPU engines: fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    sleep_between_phases: bool = False
+    """GPU: put vLLM to sleep (enable_sleep_mode) while the trainer runs, wake it for rollout."""
+    enforce_eager: bool = True
+    """vLLM enforce_eager (no CUDA graphs / compile)."""
+    max_num_seqs: int = 256
+    """vLLM max_num_seqs."""
+
+
+@dataclass
+class OverlongConfig:
+    filtering: bool = False
+    """Overlong filtering: truncated responses (no </s> within the cap) get no loss."""
+    soft_punishment: bool = True
+    """Soft overlong punishment: a linear penalty over the last `cache_length` tokens of the cap."""
+    cache_length: int = 2
+    """L_cache: penalty ramps from 0 at (max_response_tokens - cache_length) to -penalty_factor at the cap."""
+    penalty_factor: float = 1.0
+    """Penalty at the cap."""
+
+
+@dataclass
+class DapoConfig:
+    loss: str = "dapo"
+    """Policy loss from `beam_rl.dapo.loss.POLICY_LOSSES`."""
+    advantage: str = "grpo"
+    """Advantage estimator from `beam_rl.dapo.advantages.ADVANTAGES` (group-normalised)."""
+    eps_low: float = 0.2
+    """Clip-higher lower bound: ratio >= 1 - eps_low."""
+    eps_high: float = 0.28
+    """Clip-higher upper bound: ratio <= 1 + eps_high."""
+    loss_agg: str = "token_mean"
+    """'token_mean' (DAPO: every token of the batch weighs the same) or 'seq_mean_token_mean' (GRPO)."""
+    kl_coef: float = 0.0
+    """KL penalty weight against the rollout policy (0: no KL term, as DAPO)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight tokens by min(pi_old_trainer / pi_rollout, cap); null = off."""
+    dynamic_sampling: bool = True
+    """Drop all-correct / all-wrong groups and refill by over-sampling."""
+    max_extra_rounds: int = 3
+    """Cap on extra generation rounds per step for dynamic sampling."""
+    oversample_factor: float = 2.0
+    """Each extra round samples ceil(missing groups * factor) prompts."""
+    updates_per_step: int = 1
+    """Optimizer updates per step (the batch is split into this many mini-batches)."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """Overlong filtering and soft punishment."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 8
+    """Adapter rank (vLLM max_lora_rank is set to it)."""
+    alpha: float = 16.0
+    """LoRA alpha (scaling alpha / r)."""
+    merge: bool = False
+    """Sync merged full weights instead of the adapter."""
+
+
+@dataclass
+class TrainConfig:
+    mode: str = "bf16"
+    """'bf16' (full fine-tuning, FP32 master weights), 'lora', or 'mxfp8' (emulated off Blackwell)."""
+    lr: float = 1e-3
+    """AdamW learning rate of DAPO."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0: off)."""
+    micro_batch_size: int = 256
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    recompute: bool = False
+    """Full activation recompute (R3 replays in the recompute too)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA settings (mode 'lora')."""
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run length, checkpoints, evaluation, output."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Which Beam model."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The built-in task."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised warm start."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """vLLM generation."""
+    dapo: DapoConfig = field(default_factory=DapoConfig)
+    """The DAPO algorithm."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The Megatron trainer."""
+
+    def validate(self) -> "Recipe":
+        from beam_rl.presets import PRESETS
+
+        def need(ok: bool, key: str, msg: str) -> None:
+            if not ok:
+                raise RecipeError(f"{key}: {msg}")
+
+        need(self.run.total_steps >= 1, "run.total_steps", "must be >= 1")
+        need(self.run.checkpoint_every >= 1, "run.checkpoint_every", "must be >= 1")
+        need(self.run.eval_every >= 1, "run.eval_every", "must be >= 1")
+        need(self.model.preset in PRESETS, "model.preset", f"unknown preset {self.model.preset!r}; choose from {sorted(PRESETS)}")
+        need(self.task.name == "arithmetic", "task.name", "only 'arithmetic' is built in")
+        need(self.rollout.group_size >= 2, "rollout.group_size", "needs >= 2 responses per prompt for group-normalised advantages")
+        need(self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+        need(self.rollout.max_response_tokens >= 1, "rollout.max_response_tokens", "must be >= 1")
+        need(self.rollout.temperature > 0, "rollout.temperature", "must be > 0")
+        need(0 <= self.dapo.eps_low < 1, "dapo.eps_low", "must lie in [0, 1)")
+        need(self.dapo.eps_high >= 0, "dapo.eps_high", "must be >= 0")
+        need(self.dapo.loss_agg in ("token_mean", "seq_mean_token_mean"), "dapo.loss_agg", "use 'token_mean' or 'seq_mean_token_mean'")
+        need(self.dapo.tis_cap is None or self.dapo.tis_cap >= 1, "dapo.tis_cap", "must be >= 1 or null")
+        need(self.dapo.updates_per_step >= 1, "dapo.updates_per_step", "must be >= 1")
+        need(self.dapo.max_extra_rounds >= 0, "dapo.max_extra_rounds", "must be >= 0")
+        need(0 <= self.dapo.overlong.cache_length < self.rollout.max_response_tokens, "dapo.overlong.cache_length",
+             f"must lie in [0, rollout.max_response_tokens={self.rollout.max_response_tokens})")
+        need(self.train.mode in ("bf16", "lora", "mxfp8"), "train.mode", "choose 'bf16', 'lora' or 'mxfp8'")
+        need(self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+        from beam_rl.dapo.advantages import ADVANTAGES
+        from beam_rl.dapo.loss import POLICY_LOSSES
+
+        need(self.dapo.loss in POLICY_LOSSES, "dapo.loss", f"choose from {sorted(POLICY_LOSSES)}")
+        need(self.dapo.advantage in ADVANTAGES, "dapo.advantage", f"choose from {sorted(ADVANTAGES)}")
+        return self
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise RecipeError(f"{prefix or 'recipe'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise RecipeError(f"unknown recipe key {dotted!r}; allowed here: {sorted(fields)}")
+        default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else fields[key].default
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = _build(type(default), value or {}, dotted)
+        elif isinstance(default, tuple):
+            kwargs[key] = tuple(value)
+        elif isinstance(default, bool) and not isinstance(value, bool):
+            raise RecipeError(f"{dotted}: expected true/false, got {value!r}")
+        elif isinstance(default, (int, float)) and not isinstance(default, bool):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise RecipeError(f"{dotted}: expected a number, got {value!r}")
+            kwargs[key] = type(default)(value) if isinstance(default, float) or float(value).is_integer() else value
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def recipe_from_dict(data: dict) -> Recipe:
+    return _build(Recipe, data or {}, "").validate()
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.exists():
+        raise RecipeError(f"recipe {path} does not exist (see recipes/ for examples)")
+    return recipe_from_dict(yaml.safe_load(path.read_text()))
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    return dataclasses.asdict(recipe)

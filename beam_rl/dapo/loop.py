@@ -1,0 +1,288 @@
+"""The one-node DAPO loop: rollout (vLLM, routed experts captured) -> reward -> train (Megatron,
+R3) -> verified weight sync into the same engine -> repeat; checkpoints, metrics, resume.
+
+`run_dapo(recipe, run_dir, resume=..., llm=...)` is the whole job (`beam-rl dapo`). Pass `llm` to
+reuse a running engine (tests): the run then starts with a verified sync of its own weights.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from beam_rl.checkpoint import build_model, load_checkpoint, read_tensors
+from beam_rl.dapo import checkpointing, engine
+from beam_rl.dapo.advantages import compute_advantages
+from beam_rl.dapo.config import Recipe, recipe_to_dict
+from beam_rl.dapo.data import DataOrder, eval_seed, sampling_seed
+from beam_rl.dapo.loss import LossSettings
+from beam_rl.dapo.metrics import MetricsWriter
+from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
+from beam_rl.dapo.policy import Policy
+from beam_rl.dapo.sampling import DynamicSampler
+from beam_rl.dapo.warmstart import warm_start
+from beam_rl.presets import get_preset
+from beam_rl.r3 import RolloutBatch
+from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, ArithmeticTask, Tokenizer, integer_reward
+
+
+class R3GapError(RuntimeError):
+    """A step's mean |trainer - rollout log-prob| exceeded run.max_mean_abs_logprob_diff."""
+
+
+@dataclass
+class Group:
+    problem_index: int
+    outputs: list
+    routed: list
+    rewards: list[float]
+    correct: list[float]
+    truncated: list[bool]
+
+
+def _engine_dir(run_dir: Path, tensors: dict, config) -> tuple[Path, dict]:
+    path = run_dir / "engine" / "weights"
+    sent = engine.write_weights(tensors, path, config)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / f, path / f)
+    return path, sent
+
+
+class Job:
+    def __init__(self, recipe: Recipe, run_dir: Path, *, resume: bool, llm=None, progress: bool = True, log=print):
+        self.r, self.run_dir, self.log, self.progress = recipe, Path(run_dir), log, progress
+        self.tok = Tokenizer()
+        t = recipe.task
+        self.task = ArithmeticTask(max_operand=t.max_operand, ops=t.ops, heldout_fraction=t.heldout_fraction, seed=t.seed)
+        self.config = get_preset(recipe.model.preset)
+        if self.tok.vocab_size > self.config.vocab_size:
+            raise ValueError(f"model.preset={recipe.model.preset}: vocab {self.config.vocab_size} < tokenizer {self.tok.vocab_size}")
+        self.data = DataOrder(len(self.task.train), recipe.run.seed)
+        self.lora = recipe.train.mode == "lora"
+        self.sync_adapter = self.lora and not recipe.train.lora.merge
+        self.start_step, self.timings = 0, {}
+        ckpt = checkpointing.latest(self.run_dir) if resume else None
+        if resume and ckpt is None:
+            self.log(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}; starting from scratch")
+        self._build_policy(ckpt)
+        self.metrics = MetricsWriter(self.run_dir, resume_step=self.start_step if ckpt else None)
+        base_tensors = self.policy.hf_tensors(merged=self.lora and recipe.train.lora.merge)
+        model_dir, sent = _engine_dir(self.run_dir, base_tensors, self.config)
+        ro = recipe.rollout
+        if llm is None:
+            self.llm = engine.start_engine(str(model_dir), seed=recipe.run.seed, max_model_len=ro.max_model_len, kv_cache_gib=ro.kv_cache_gib,
+                                           enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,
+                                           lora_rank=recipe.train.lora.r if self.sync_adapter else None,
+                                           gpu_memory_utilization=ro.gpu_memory_utilization, sleep_mode=ro.sleep_between_phases,
+                                           temperature=ro.temperature)
+        else:
+            self.llm = llm
+            engine.verified_reload(llm, model_dir, sent)
+        self.lora_request = self._sync_adapter(self.start_step) if self.sync_adapter else None
+
+    # -- construction / resume -------------------------------------------------------------------
+    def _build_policy(self, ckpt: Path | None) -> None:
+        r = self.r
+        if ckpt is not None:
+            state = checkpointing.load_trainer_state(ckpt)
+            hf = dict(read_tensors(ckpt / "hf", self.config))
+            self.policy = Policy(self.config, hf, mode=r.train.mode, recompute=r.train.recompute)
+        else:
+            base = load_checkpoint(r.model.checkpoint) if r.model.checkpoint else build_model(self.config, seed=r.model.init_seed)
+            self.policy = Policy(self.config, base.state_dict(), mode=r.train.mode, recompute=r.train.recompute)
+            if r.warm_start.steps:
+                t0 = time.perf_counter()
+                losses = warm_start(self.policy, self.task, self.tok, r.warm_start, seed=r.run.seed)
+                self.log(f"warm start: {r.warm_start.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+                         f"({time.perf_counter() - t0:.1f} s)")
+        if self.lora:
+            self.policy.add_lora(r.train.lora.r, r.train.lora.alpha, seed=r.run.seed)
+        self.policy.make_optimizer(lr=r.train.lr, betas=r.train.betas, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip)
+        if ckpt is not None:
+            self.policy.optimizer.load_state_dict(state["optimizer"])
+            self.data.load_state_dict(state["data"])
+            checkpointing.set_rng_state(state["rng"])
+            self.start_step = int(state["step"])
+            self.log(f"resumed from {ckpt} (step {self.start_step})")
+
+    def _sync_adapter(self, step: int):
+        from vllm.lora.request import LoRARequest
+
+        path = self.run_dir / "engine" / f"adapter_{step:06d}"
+        self.policy.save_adapter(path, base=str(self.run_dir / "engine" / "weights"))
+        from beam_rl.megatron.lora import _peft_items
+
+        sent = {}
+        for hf, _, a, b in _peft_items(self.policy.model):
+            sent[f"base_model.model.{hf}.lora_A.weight"] = a
+            sent[f"base_model.model.{hf}.lora_B.weight"] = b
+        engine.verified_adapter(path, sent)
+        old = self.run_dir / "engine" / f"adapter_{step - 1:06d}"
+        if step > 0 and old.exists():
+            shutil.rmtree(old)
+        return LoRARequest(f"policy-{step}", step + 1, str(path))
+
+    # -- phases ----------------------------------------------------------------------------------
+    def _generate(self, problems: list, seeds: list[int], group: int):
+        prompts = [self.task.prompt_ids(p, self.tok) for p in problems for _ in range(group)]
+        return engine.generate(self.llm, prompts, seeds, max_tokens=self.r.rollout.max_response_tokens,
+                               temperature=self.r.rollout.temperature, stop_token_ids=[self.tok.eos_id], lora_request=self.lora_request)
+
+    def rollout(self, step: int) -> tuple[DynamicSampler, dict]:
+        ro, d = self.r.rollout, self.r.dapo
+        ol = d.overlong
+        G = ro.group_size
+        sampler = DynamicSampler(ro.prompts_per_step, d.max_extra_rounds, d.oversample_factor, d.dynamic_sampling)
+        stats = {"generated_tokens": 0, "correct": [], "lengths": []}
+        while (n := sampler.need()) > 0:
+            idx = self.data.take(n)
+            problems = [self.task.train[i] for i in idx]
+            seeds = [sampling_seed(self.r.run.seed, step, sampler.rounds, i) for i in range(n * G)]
+            outputs, routed = self._generate(problems, seeds, G)
+            groups, rewards = [], []
+            for g, (i, p) in enumerate(zip(idx, problems)):
+                outs, rts = outputs[g * G : (g + 1) * G], routed[g * G : (g + 1) * G]
+                correct, rew, trunc = [], [], []
+                for o in outs:
+                    ids = list(o.outputs[0].token_ids)
+                    c = integer_reward(ids, p.answer, self.tok)
+                    truncated = ids[-1] != self.tok.eos_id
+                    pen = soft_overlong_penalty(len(ids), ro.max_response_tokens, ol.cache_length, ol.penalty_factor) if ol.soft_punishment else 0.0
+                    correct.append(c), rew.append(c + pen), trunc.append(truncated)
+                    stats["generated_tokens"] += len(ids)
+                    stats["lengths"].append(len(ids))
+                stats["correct"] += correct
+                groups.append(Group(i, outs, rts, rew, correct, trunc))
+                rewards.append(rew)
+            sampler.add(groups, rewards)
+        return sampler, stats
+
+    def train(self, groups: list[Group]) -> dict:
+        r, d = self.r, self.r.dapo
+        G = r.rollout.group_size
+        outputs = [o for g in groups for o in g.outputs]
+        routed = [x for g in groups for x in g.routed]
+        batch = RolloutBatch.from_vllm(outputs, routed, self.config)
+        adv = compute_advantages(d.advantage, torch.tensor([g.rewards for g in groups])).reshape(-1)  # (N,)
+        keep = [k for g in groups for k in overlong_keep(g.truncated, d.overlong.filtering)]
+        mb_size = r.train.micro_batch_size
+        minis = np.array_split(np.arange(len(groups)), d.updates_per_step)
+        settings = LossSettings(d.eps_low, d.eps_high, d.loss_agg, d.tis_cap, d.kl_coef)
+        # Old log-probs (R3 on, before any update): the DAPO ratio's denominator and the R3 gap.
+        plans = []
+        gaps = []
+        for mini in minis:
+            rows = [gi * G + j for gi in mini for j in range(G)]
+            mbs, olds, advs, masks = [], [], [], []
+            for s in range(0, len(rows), mb_size):
+                mb = batch.to_trainer(rows[s : s + mb_size])
+                old = self.policy.logprobs(mb, temperature=r.rollout.temperature)
+                gaps.append((old - mb.rollout_logprobs).abs()[mb.mask])
+                keep_rows = torch.tensor([keep[i] for i in mb.indices])
+                mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)]), masks.append(mb.mask & keep_rows[:, None])
+            plans.append((mbs, olds, advs, masks))
+        gap = torch.cat(gaps)
+        out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
+        sums: dict[str, float] = {}
+        for mbs, olds, advs, masks in plans:
+            m = self.policy.update(mbs, olds, advs, masks, settings, d.loss, r.rollout.temperature)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v / len(plans)
+            out["train_tokens"] += int(sum(int(mb.lengths.sum()) for mb in mbs))
+        out.update(sums)
+        return out
+
+    def sync(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        if self.sync_adapter:
+            self.lora_request = self._sync_adapter(step)
+            nbytes = sum(p.numel() * 4 for p in self.policy.model.parameters() if p.requires_grad)
+        else:
+            tensors = self.policy.hf_tensors(merged=True)
+            path, sent = _engine_dir(self.run_dir, tensors, self.config)
+            engine.verified_reload(self.llm, path, sent)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        dt = time.perf_counter() - t0
+        return {"sync_s": dt, "sync_mb_per_s": nbytes / 2**20 / dt}
+
+    def evaluate(self) -> float:
+        k = self.r.rollout.eval_samples
+        problems = self.task.heldout
+        seeds = [eval_seed(self.r.run.seed, i) for i in range(len(problems) * k)]
+        outputs, _ = self._generate(problems, seeds, k)
+        correct = [integer_reward(list(o.outputs[0].token_ids), problems[i // k].answer, self.tok) for i, o in enumerate(outputs)]
+        return float(np.mean(correct))
+
+    def checkpoint(self, step: int) -> Path:
+        state = {"optimizer": self.policy.optimizer.state_dict(), "data": self.data.state_dict(), "recipe": recipe_to_dict(self.r),
+                 "sampling_seed_base": self.r.run.seed}
+        return checkpointing.save(self.run_dir, step, self.policy.hf_tensors(merged=False), self.config, state)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, stop_after: int | None = None) -> list[dict]:
+        from tqdm import tqdm
+
+        r = self.r
+        k = r.rollout.eval_samples
+        history = []
+        if self.start_step == 0:
+            acc0 = self.evaluate()
+            first = {"step": 0, f"heldout_avg{k}": acc0}
+            self.metrics.write(first)
+            history.append(first)
+            self.log(f"step 0 (warm start): held-out avg@{k} = {acc0:.3f}")
+        bar = tqdm(range(self.start_step + 1, r.run.total_steps + 1), desc="dapo", disable=not self.progress, dynamic_ncols=True)
+        for step in bar:
+            t0 = time.perf_counter()
+            sampler, stats = self.rollout(step)
+            t_roll = time.perf_counter() - t0
+            m = {"step": step, "reward_mean": float(np.mean([x for g in sampler.kept for x in g.rewards])) if sampler.kept else 0.0,
+                 "accuracy": float(np.mean(stats["correct"])), "response_length": float(np.mean(stats["lengths"])),
+                 "kept_group_fraction": sampler.kept_fraction, "generation_rounds": sampler.rounds,
+                 "rollout_tokens_per_s": stats["generated_tokens"] / t_roll, "rollout_s": t_roll}
+            if sampler.kept:
+                t1 = time.perf_counter()
+                tr = self.train(sampler.kept)
+                m["train_s"] = time.perf_counter() - t1
+                m["train_tokens_per_s"] = tr.pop("train_tokens") / m["train_s"]
+                m.update(tr)
+                m.update(self.sync(step))
+            else:
+                self.log(f"step {step}: no informative group after {sampler.rounds} rounds; no update")
+            if step % r.run.eval_every == 0 or step == r.run.total_steps:
+                m[f"heldout_avg{k}"] = self.evaluate()
+            m["time_s"] = time.perf_counter() - t0
+            self.metrics.write(m)
+            history.append(m)
+            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", gap=f"{m.get('mean_abs_logprob_diff', float('nan')):.4f}")
+            if "mean_abs_logprob_diff" in m and not m["mean_abs_logprob_diff"] <= r.run.max_mean_abs_logprob_diff:
+                self.checkpoint(step)
+                raise R3GapError(f"step {step}: mean |trainer - rollout logprob| = {m['mean_abs_logprob_diff']:.4f} > "
+                                 f"run.max_mean_abs_logprob_diff = {r.run.max_mean_abs_logprob_diff}")
+            if step % r.run.checkpoint_every == 0 or step == r.run.total_steps or step == stop_after:
+                self.checkpoint(step)
+            if stop_after is not None and step >= stop_after:
+                break
+        self.metrics.close()
+        return history
+
+
+def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, llm=None, stop_after: int | None = None, progress: bool = True,
+             log=print) -> list[dict]:
+    torch.manual_seed(recipe.run.seed)
+    return Job(recipe, Path(run_dir), resume=resume, llm=llm, progress=progress, log=log).run(stop_after=stop_after)
+
+
+def summarize(history: list[dict], k: int = 8) -> dict:
+    """Warm-start vs final held-out accuracy and the R3 gap over the steps."""
+    key = f"heldout_avg{k}"
+    evals = [(m["step"], m[key]) for m in history if key in m]
+    gaps = [m["mean_abs_logprob_diff"] for m in history if "mean_abs_logprob_diff" in m]
+    return {"warm_start": evals[0][1] if evals else math.nan, "final": evals[-1][1] if evals else math.nan,
+            "max_step_gap": max(gaps) if gaps else math.nan, "gaps": gaps}

@@ -1,0 +1,47 @@
+"""Per-step metrics: `RUN_DIR/metrics.jsonl` (one JSON object per step) and TensorBoard (`RUN_DIR/tb`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, *, resume_step: int | None = None, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        else:  # drop steps after the checkpoint: they are recomputed identically
+            kept = [line for line in read_metrics(self.path) if line["step"] <= resume_step]
+            self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            except ImportError:  # tensorboard not installed: jsonl only
+                self.tb = None
+
+    def write(self, metrics: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, metrics["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

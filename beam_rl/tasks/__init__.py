@@ -1,0 +1,1 @@
+"""Built-in tasks: the synthetic arithmetic task, its shipped tokenizer and reward."""
