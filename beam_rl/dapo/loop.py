@@ -224,6 +224,15 @@ class Job:
                  "sampling_seed_base": self.r.run.seed}
         return checkpointing.save(self.run_dir, step, self.policy.hf_tensors(merged=False), self.config, state)
 
+    def _sleep(self, asleep: bool) -> None:
+        """rollout.sleep_between_phases (GPU): free vLLM's memory while the trainer runs."""
+        if not (self.r.rollout.sleep_between_phases and torch.cuda.is_available()):
+            return
+        if asleep:
+            self.llm.sleep(level=1)  # weights offloaded to CPU, KV cache dropped
+        else:
+            self.llm.wake_up()  # then the verified sync overwrites the weights
+
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> list[dict]:
         from tqdm import tqdm
@@ -247,11 +256,13 @@ class Job:
                  "kept_group_fraction": sampler.kept_fraction, "generation_rounds": sampler.rounds,
                  "rollout_tokens_per_s": stats["generated_tokens"] / t_roll, "rollout_s": t_roll}
             if sampler.kept:
+                self._sleep(True)
                 t1 = time.perf_counter()
                 tr = self.train(sampler.kept)
                 m["train_s"] = time.perf_counter() - t1
                 m["train_tokens_per_s"] = tr.pop("train_tokens") / m["train_s"]
                 m.update(tr)
+                self._sleep(False)
                 m.update(self.sync(step))
             else:
                 self.log(f"step {step}: no informative group after {sampler.rounds} rounds; no update")

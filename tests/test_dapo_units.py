@@ -1,0 +1,149 @@
+"""DAPO pieces on hand-computed examples (no engines)."""
+
+import math
+
+import pytest
+import torch
+
+from beam_rl.dapo.advantages import compute_advantages
+from beam_rl.dapo.config import RecipeError, load_recipe, recipe_from_dict
+from beam_rl.dapo.data import DataOrder, sampling_seed
+from beam_rl.dapo.loss import LossSettings, aggregate, policy_loss
+from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
+from beam_rl.dapo.sampling import DynamicSampler, group_is_informative
+from beam_rl.tasks.arithmetic import ArithmeticTask, Tokenizer, integer_reward
+
+
+def test_group_normalised_advantages():
+    adv = compute_advantages("grpo", torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    torch.testing.assert_close(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (s + 1e-6))
+    assert torch.equal(adv[1], torch.zeros(4))  # a constant group teaches nothing
+    torch.testing.assert_close(compute_advantages("rloo", torch.tensor([[1.0, 0.0, 0.0]])), torch.tensor([[1.0, -0.5, -0.5]]))
+    with pytest.raises(ValueError, match="dapo.advantage"):
+        compute_advantages("nope", torch.zeros(1, 2))
+
+
+def test_dapo_clip_higher_loss_and_gradient():
+    ratio = torch.tensor([[1.5, 0.5, 1.1]])
+    lp = ratio.log().requires_grad_(True)
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, m = policy_loss("dapo", lp, old, adv, mask, LossSettings(eps_low=0.2, eps_high=0.28))
+    # token 1: min(1.5, 1.28) * 1 -> -1.28 (clipped high); token 2: min(-0.5, -0.8) -> +0.8 (clipped low); token 3: -1.1
+    assert loss.item() == pytest.approx((-1.28 + 0.8 - 1.1) / 3, abs=1e-6)
+    assert m["clip_frac_high"] == pytest.approx(1 / 3) and m["clip_frac_low"] == pytest.approx(1 / 3)
+    loss.backward()
+    # clipped tokens carry no gradient; d(-ratio * A)/d logprob = -ratio * A / 3 tokens
+    torch.testing.assert_close(lp.grad, torch.tensor([[0.0, 0.0, -1.1 / 3]]))
+
+
+def test_eps_high_is_asymmetric():
+    lp = torch.tensor([[math.log(1.25)]])
+    loss_pos, _ = policy_loss("dapo", lp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool), LossSettings())
+    assert loss_pos.item() == pytest.approx(-1.25)  # inside 1 + 0.28: not clipped (eps 0.2 would clip at 1.2)
+
+
+def test_token_level_vs_sequence_level_aggregation():
+    v = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert aggregate(v, mask, "token_mean").item() == pytest.approx(7 / 5)  # every token weighs the same
+    assert aggregate(v, mask, "seq_mean_token_mean").item() == pytest.approx((1 + 3) / 2)
+    assert aggregate(v, mask, "token_mean", normalizer=10.0).item() == pytest.approx(0.7)
+
+
+def test_truncated_importance_sampling_and_no_kl_by_default():
+    lp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.zeros(1, 2)
+    rollout = torch.tensor([[math.log(0.5), math.log(4.0)]])  # weights exp(old - rollout) = 2, 0.25
+    adv, mask = torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    loss, _ = policy_loss("dapo", lp, old, adv, mask, LossSettings(tis_cap=1.5), rollout_logprobs=rollout)
+    assert loss.item() == pytest.approx(-(1.5 + 0.25) / 2)  # the weight 2 is truncated at 1.5
+    plain, _ = policy_loss("dapo", lp, old, adv, mask, LossSettings(), rollout_logprobs=rollout)
+    assert plain.item() == pytest.approx(-1.0)  # kl_coef 0: the rollout log-probs do not enter
+    with pytest.raises(ValueError, match="tis_cap"):
+        policy_loss("dapo", lp, old, adv, mask, LossSettings(tis_cap=2.0))
+
+
+def test_soft_overlong_punishment_and_filtering():
+    # L_max 5, L_cache 2: free up to 3 tokens, then -1/2 per token, -1 beyond the cap
+    assert [soft_overlong_penalty(n, 5, 2) for n in (1, 3, 4, 5, 6)] == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert soft_overlong_penalty(5, 5, 2, penalty_factor=0.5) == -0.5
+    assert overlong_keep([False, True], filtering=True) == [True, False]
+    assert overlong_keep([False, True], filtering=False) == [True, True]
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_caps_rounds():
+    assert not group_is_informative([1, 1]) and not group_is_informative([0, 0]) and group_is_informative([0, 1])
+    s = DynamicSampler(target=2, max_extra_rounds=1, oversample_factor=2.0)
+    assert s.need() == 2
+    s.add(["a", "b"], [[1, 1], [0, 1]])  # a is all-correct: dropped
+    assert s.kept == ["b"] and s.need() == 2  # ceil(1 missing * 2)
+    s.add(["c", "d"], [[0, 0], [0, 0]])
+    assert s.kept == ["b"] and s.need() == 0  # the cap on extra rounds ends the step with what it has
+    assert s.kept_fraction == pytest.approx(1 / 4)
+    full = DynamicSampler(target=1, max_extra_rounds=3)
+    full.add(["x", "y"], [[0, 1], [1, 0]])
+    assert full.kept == ["x"] and full.need() == 0  # batch full: no extra round, extras dropped
+    off = DynamicSampler(target=2, max_extra_rounds=3, enabled=False)
+    off.add(["a", "b"], [[1, 1], [0, 0]])
+    assert off.kept == ["a", "b"] and off.need() == 0
+
+
+def test_recipe_unknown_key_and_bad_values_name_the_field(tmp_path):
+    with pytest.raises(RecipeError, match=r"'dapo.eps_hgih'"):
+        recipe_from_dict({"dapo": {"eps_hgih": 0.3}})
+    with pytest.raises(RecipeError, match=r"'dapo.overlong.lenght'"):
+        recipe_from_dict({"dapo": {"overlong": {"lenght": 3}}})
+    with pytest.raises(RecipeError, match="train.mode"):
+        recipe_from_dict({"train": {"mode": "fp4"}})
+    with pytest.raises(RecipeError, match="rollout.group_size"):
+        recipe_from_dict({"rollout": {"group_size": 1}})
+    with pytest.raises(RecipeError, match="dapo.loss"):
+        recipe_from_dict({"dapo": {"loss": "ppo2"}})
+    with pytest.raises(RecipeError, match="run.seed: expected a number"):
+        recipe_from_dict({"run": {"seed": "zero"}})
+    r = load_recipe("recipes/tiny-cpu.yaml")
+    assert (r.dapo.eps_low, r.dapo.eps_high, r.dapo.kl_coef) == (0.2, 0.28, 0.0)
+    assert load_recipe("recipes/mini-h200.yaml").model.preset == "beam-mini"
+
+
+def test_data_order_is_deterministic_and_resumable():
+    a = DataOrder(5, seed=3)
+    first = a.take(7)  # crosses an epoch
+    state = a.state_dict()
+    rest = a.take(6)
+    b = DataOrder(5, seed=3)
+    b.load_state_dict(state)
+    assert b.take(6) == rest and sorted(first[:5]) == list(range(5))
+    assert sampling_seed(0, 1, 0, 0) != sampling_seed(0, 1, 1, 0) != sampling_seed(0, 2, 0, 0)
+
+
+def test_task_tokenizer_and_reward():
+    tok = Tokenizer()
+    task = ArithmeticTask(max_operand=9, ops="+", heldout_fraction=0.25)
+    assert len(task.train) == 75 and len(task.heldout) == 25 and not set(task.train) & set(task.heldout)
+    p = task.heldout[0]
+    assert tok.decode(task.prompt_ids(p, tok)) == p.text and task.prompt_ids(p, tok)[0] == tok.bos_id
+    good = task.answer_ids(p, tok)
+    assert integer_reward(good, p.answer, tok) == 1.0
+    assert integer_reward(good[:-1], p.answer, tok) == 0.0  # no </s>: truncated
+    assert integer_reward(tok.encode(str(p.answer + 1)) + [tok.eos_id], p.answer, tok) == 0.0
+    assert integer_reward(tok.encode("+") + [tok.eos_id], p.answer, tok) == 0.0
+    assert tok.vocab_size <= 512
+    with pytest.raises(ValueError, match="task.ops"):
+        ArithmeticTask(ops="/")
+
+
+def test_master_weights_keep_small_updates():
+    from beam_rl.dapo.policy import MasterAdamW
+
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterAdamW([w], lr=1e-4)
+    for _ in range(50):
+        w.grad = torch.ones(4, dtype=torch.bfloat16)
+        opt.step()
+    # each 1e-4 step is below BF16's resolution at 1.0 (2^-7); the FP32 master accumulates them
+    assert opt.master[0][0].item() == pytest.approx(1 - 50e-4, abs=1e-5)
+    assert w[0].item() == pytest.approx(0.9951, abs=4e-3) and w[0].item() < 1.0
