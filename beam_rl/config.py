@@ -94,6 +94,13 @@ class BeamConfig(PretrainedConfig):
         out["rope_parameters"] = {**out["rope_parameters"], "full_attention": None}  # the released layout
         return out
 
+    def standardize_rope_params(self):
+        """Already standard (see `normalize_rope_parameters`); transformers 5.17's version indexes
+        every layer type, NoPE ones included (vLLM calls it)."""
+
+    def validate_rope(self):
+        """`validate_beam` checks rope_parameters; transformers' check differs across versions."""
+
     def convert_rope_params_to_dict(self, **kwargs):
         # transformers' generic converter assumes a flat rope_parameters and would add top-level
         # RoPE keys to Beam's per-layer-type mapping (transformers' own Beam config does the same).
