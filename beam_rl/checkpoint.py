@@ -12,6 +12,8 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -61,6 +63,23 @@ def build_model(config: BeamConfig, *, seed: int | None = 0, dtype=torch.bfloat1
     return model.to(device=device, dtype=dtype).eval()
 
 
+@contextmanager
+def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temp directory beside `final`; when the block succeeds it replaces `final`
+    in one rename, when it fails it is removed: readers see the old directory or the new one."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def save_checkpoint(model: BeamForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> Path:
     """Write config.json + safetensors (sharded above `max_shard_bytes`) atomically to `path`."""
     path = Path(path)
@@ -77,9 +96,7 @@ def save_checkpoint(model: BeamForCausalLM, path: str | os.PathLike, max_shard_b
             shard_bytes = 0
         shards[-1][name] = t
         shard_bytes += t.nbytes
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    with atomic_directory(path) as tmp:
         model.config.save_pretrained(tmp)
         if len(shards) == 1:
             save_file(shards[0], tmp / SINGLE_NAME, metadata={"format": "pt"})
@@ -91,12 +108,6 @@ def save_checkpoint(model: BeamForCausalLM, path: str | os.PathLike, max_shard_b
                 weight_map.update({name: fname for name in shard})
             total = sum(t.nbytes for shard in shards for t in shard.values())
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return path
 
 

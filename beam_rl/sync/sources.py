@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from beam_rl.checkpoint import INDEX_NAME, SINGLE_NAME, load_config, read_tensors
+from beam_rl.checkpoint import INDEX_NAME, SINGLE_NAME, atomic_directory, load_config, read_tensors
 from beam_rl.config import BeamConfig
 from beam_rl.megatron.convert import export_hf, mapping_for
 from beam_rl.sync.base import WeightUpdate
@@ -126,21 +124,19 @@ def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, conf
     cfg = _find_config(path, config)
     state = read_megatron_state(path, cfg)
     specs = checkpoint_tensors(cfg)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     checksums, nbytes, weight_map = {}, 0, {}
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, shard_files = 0, []
+    with atomic_directory(out_dir) as tmp:
 
-    def flush():
-        nonlocal shard, shard_bytes
-        fname = f"shard-{len(shard_files):05d}.safetensors"
-        save_file(shard, tmp / fname, metadata={"format": "pt"})
-        shard_files.append(fname)
-        weight_map.update({n: fname for n in shard})
-        shard, shard_bytes = {}, 0
+        def flush():
+            nonlocal shard, shard_bytes
+            fname = f"shard-{len(shard_files):05d}.safetensors"
+            save_file(shard, tmp / fname, metadata={"format": "pt"})
+            shard_files.append(fname)
+            weight_map.update({n: fname for n in shard})
+            shard, shard_bytes = {}, 0
 
-    try:
         cfg.save_pretrained(tmp)
         for name, t in export_hf(_StateView(state), cfg):
             t = t.detach().to(specs[name].dtype(dtype)).contiguous()
@@ -155,10 +151,4 @@ def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, conf
             os.replace(tmp / shard_files[0], tmp / SINGLE_NAME)
         else:
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return WeightUpdate(kind="full", path=str(out_dir), checksums=checksums, nbytes=nbytes)
