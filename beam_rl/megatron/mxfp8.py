@@ -26,7 +26,7 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     k = x.shape[-1]
     pad = (-k) % BLOCK
     xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
-    blocks = xf.reshape(*xf.shape[:-1], -1, BLOCK)  # (..., K'/32, 32)
+    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK, BLOCK)  # (..., K'/32, 32); explicit: an expert may get 0 tokens
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     exp = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E4M3_MAX)).clamp(-127, 127)
     values = (blocks / torch.exp2(exp)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
@@ -34,7 +34,7 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mxfp8_dequantize(values: torch.Tensor, exp: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    blocks = values.float().reshape(*values.shape[:-1], -1, BLOCK) * torch.exp2(exp.float())[..., None]
+    blocks = values.float().reshape(*values.shape[:-1], values.shape[-1] // BLOCK, BLOCK) * torch.exp2(exp.float())[..., None]
     return blocks.reshape(values.shape)[..., :k].to(dtype)
 
 
