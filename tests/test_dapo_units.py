@@ -147,3 +147,18 @@ def test_master_weights_keep_small_updates():
     # each 1e-4 step is below BF16's resolution at 1.0 (2^-7); the FP32 master accumulates them
     assert opt.master[0][0].item() == pytest.approx(1 - 50e-4, abs=1e-5)
     assert w[0].item() == pytest.approx(0.9951, abs=4e-3) and w[0].item() < 1.0
+
+
+def test_metrics_resume_truncation_and_plot(tmp_path):
+    from beam_rl.dapo.metrics import MetricsWriter, read_metrics
+    from beam_rl.dapo.plot import plot_run
+
+    w = MetricsWriter(tmp_path, tensorboard=False)
+    for step in range(4):
+        w.write({"step": step, "reward_mean": step / 4, "mean_abs_logprob_diff": 1e-4, **({"heldout_avg8": 0.1} if step % 2 == 0 else {})})
+    MetricsWriter(tmp_path, resume_step=1, tensorboard=False)  # a resume from step 1 drops steps 2, 3
+    assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1]
+    names = {p.name for p in plot_run(tmp_path)}
+    assert {"reward_mean.png", "heldout_avg8.png", "mean_abs_logprob_diff.png"} <= names
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path / "nothing")

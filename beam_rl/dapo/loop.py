@@ -181,13 +181,14 @@ class Job:
             rows = [gi * G + j for gi in mini for j in range(G)]
             mbs, olds, advs, masks = [], [], [], []
             for s in range(0, len(rows), mb_size):
-                mb = batch.to_trainer(rows[s : s + mb_size])
+                mb = self.policy.to_device(batch.to_trainer(rows[s : s + mb_size]))
                 old = self.policy.logprobs(mb, temperature=r.rollout.temperature)
                 gaps.append((old - mb.rollout_logprobs).abs()[mb.mask])
-                keep_rows = torch.tensor([keep[i] for i in mb.indices])
-                mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)]), masks.append(mb.mask & keep_rows[:, None])
+                keep_rows = torch.tensor([keep[i] for i in mb.indices], device=mb.mask.device)
+                mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)].to(mb.mask.device))
+                masks.append(mb.mask & keep_rows[:, None])
             plans.append((mbs, olds, advs, masks))
-        gap = torch.cat(gaps)
+        gap = torch.cat(gaps).float().cpu()
         out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
         sums: dict[str, float] = {}
         for mbs, olds, advs, masks in plans:

@@ -97,6 +97,19 @@ class Policy:
         self.optimizer = MasterAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip)
         return self.optimizer
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def to_device(self, mb):
+        """The micro-batch with its tensors on the model's device (a no-op on CPU)."""
+        import dataclasses
+
+        if self.device.type == "cpu":
+            return mb
+        return dataclasses.replace(mb, **{f.name: getattr(mb, f.name).to(self.device) for f in dataclasses.fields(mb)
+                                          if isinstance(getattr(mb, f.name), torch.Tensor)})
+
     # -- log-probs -----------------------------------------------------------------------------
     def logprobs(self, mb, *, temperature: float, replay: bool = True, grad: bool = False) -> torch.Tensor:
         """[B, T-1] log-probs of an `r3.TrainerBatch`-like micro-batch (R3 replay of its experts)."""
@@ -135,7 +148,8 @@ class Policy:
 
     def supervised_step(self, ids, lengths, prompt_lengths) -> float:
         """Teacher-forced NLL of the response tokens (warm start), one optimizer step."""
-        lp, mask = sequence_logprobs(self.model, ids, config=self.config, lengths=lengths, prompt_lengths=prompt_lengths)
+        d = self.device
+        lp, mask = sequence_logprobs(self.model, ids.to(d), config=self.config, lengths=lengths.to(d), prompt_lengths=prompt_lengths.to(d))
         loss = -(lp * mask).sum() / mask.sum().clamp_min(1)
         loss.backward()
         self.optimizer.step()
