@@ -88,14 +88,26 @@ class CPUExperts(nn.Module):
         return loaded
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        expert_out = x.new_zeros(x.shape[0], ids.shape[1], x.shape[1])  # (T, top_k, hidden)
-        for e in ids.unique().tolist():
-            token, slot = (ids == e).nonzero(as_tuple=True)
-            xe = x[token]
-            gate = F.linear(xe, self.w13_weight[e, : self.ffn])
-            up = F.linear(xe, self.w13_weight[e, self.ffn :])
-            expert_out[token, slot] = F.linear(numerics.silu_and_mul(gate, up), self.w2_weight[e])
-        return numerics.moe_combine(expert_out, weights)
+        return _cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+
+
+@torch.library.custom_op("beam_rl::cpu_experts", mutates_args=())
+def _cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The reference's expert loop (a custom op: its data-dependent loop stays out of torch.compile)."""
+    ffn = w2.shape[2]
+    expert_out = x.new_zeros(x.shape[0], ids.shape[1], x.shape[1])  # (T, top_k, hidden)
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[token]
+        gate = F.linear(xe, w13[e, :ffn])
+        up = F.linear(xe, w13[e, ffn:])
+        expert_out[token, slot] = F.linear(numerics.silu_and_mul(gate, up), w2[e])
+    return numerics.moe_combine(expert_out, weights)
+
+
+@_cpu_experts.register_fake
+def _(x, w13, w2, weights, ids):
+    return torch.empty_like(x)
 
 
 class BeamMoE(nn.Module):

@@ -20,7 +20,9 @@ _TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def use_fused_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("BEAM_RL_FUSED_KERNELS", "1") != "0"
+    """The `beam_rl::*` custom ops: Triton on CUDA, the reference elsewhere. Either way torch.compile
+    sees one opaque op and cannot re-round inside it (compiled plain PyTorch does)."""
+    return os.environ.get("BEAM_RL_FUSED_KERNELS", "1") != "0"
 
 
 class HeadNorm(nn.Module):
@@ -42,13 +44,21 @@ class NormWeight(nn.Module):
 
 class PositionTable:
     """A shared FP32 table indexed by position (RoPE cos|sin, or SSMax factors). Not a module
-    buffer: it is derived from the config, never loaded or reloaded; one copy per device."""
+    buffer: it is derived from the config, never loaded or reloaded. Built at model construction
+    on the device vLLM builds the model on (so torch.compile never traces its creation); one copy
+    per device, shared by all layers."""
 
     def __init__(self, kind: str, config: BeamConfig):
         self.key = (kind, config.max_position_embeddings, config.head_dim, config.sliding_rope_theta)
+        self.default: torch.Tensor | None = None
+        self.default = self.on(torch.get_default_device())
 
     def on(self, device: torch.device) -> torch.Tensor:
-        key = self.key + (str(device),)
+        device = torch.device(device)
+        d = self.default
+        if d is not None and d.device.type == device.type and (d.device.index or 0) == (device.index or 0):
+            return d  # the common case, and the only one inside torch.compile
+        key = self.key + (f"{device.type}:{device.index or 0}",)
         if key not in _TABLES:
             kind, max_pos, head_dim, theta = self.key
             table = (numerics.rope_cos_sin_cache(max_pos, head_dim, theta) if kind == "rope"
