@@ -9,10 +9,7 @@ one, which `--resume` continues from with results identical to an uninterrupted 
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -38,20 +35,14 @@ def set_rng_state(state: dict) -> None:
 
 def save(run_dir: Path, step: int, hf_tensors: dict[str, torch.Tensor], config, trainer_state: dict) -> Path:
     """Write checkpoint `step` atomically; returns its directory."""
+    from beam_rl.checkpoint import atomic_directory
+
     final = checkpoint_dir(run_dir, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with atomic_directory(final) as tmp:
         (tmp / "hf").mkdir()
         save_file({k: v.contiguous() for k, v in hf_tensors.items()}, tmp / "hf" / "model.safetensors", metadata={"format": "pt"})
         config.save_pretrained(tmp / "hf")
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return final
 
 

@@ -11,8 +11,6 @@ so the run never trains on stale weights.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -66,15 +64,12 @@ def generate(llm, prompts: list[list[int]], seeds: list[int], *, max_tokens: int
 
 def write_weights(tensors: dict[str, torch.Tensor], path: Path, config) -> dict[str, str]:
     """Atomically write HF-named safetensors + config.json to `path`; returns checksums of what was written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    from beam_rl.checkpoint import atomic_directory
+
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    config.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+    with atomic_directory(path) as tmp:
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        config.save_pretrained(tmp)
     return {k: tensor_checksum(v) for k, v in tensors.items()}
 
 
