@@ -223,10 +223,10 @@ class _RouterTap:
     def __init__(self, model):
         from beam_rl.megatron.replay import model_routers
 
-        self.maps: list[torch.Tensor] = []
+        self.maps: list = []  # routing maps [s*b, E] (bool tensors)
         self.handles = [r.register_forward_hook(lambda m, i, o: self.maps.append(o[1].detach())) for r in model_routers(model)]
 
-    def pop(self) -> list[torch.Tensor]:
+    def pop(self) -> list:
         maps, self.maps = self.maps, []
         return maps
 
@@ -238,7 +238,6 @@ class _RouterTap:
 def recompute(model, batch: RolloutBatch, *, replay: bool, micro_batch: int, progress: bool = True, desc: str = ""):
     """Trainer log-prob deltas per sequence (float64 arrays, generated tokens) and the routing
     disagreement counts (differing pairs, routed pairs)."""
-    import numpy as np
     import torch
 
     from tqdm import tqdm

@@ -1,6 +1,5 @@
 """Find which summation order ATen's CUDA mean uses for [rows, n] FP32 (brute force over candidates)."""
 import itertools
-import sys
 
 import torch
 

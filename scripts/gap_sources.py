@@ -40,7 +40,7 @@ def reference_deltas(checkpoint, batch):
 
 
 def main() -> None:
-    from beam_rl.gap import GapOptions, build_trainer, default_prompts, gap_stats, recompute, rollout, start_engine
+    from beam_rl.gap import GapOptions, default_prompts, gap_stats, recompute, rollout, start_engine
     from beam_rl.checkpoint import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -50,3 +50,31 @@ def tiny_vllm(tiny_checkpoint):
     llm.collective_rpc("beam_start_routing_capture")
     yield llm
     del llm
+
+
+@pytest.fixture(scope="session")
+def make_random_lora():
+    """Factory: write a PEFT adapter with non-zero random A and B for the given modules of a seeded
+    FP32 reference model (full module names: a bare `gate_proj` would also match the experts) and
+    return the FP32 reference with the adapter merged."""
+
+    def make(config, seed, out_dir, attn=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"),
+             dense=("gate_proj", "up_proj", "down_proj")):
+        from peft import LoraConfig, get_peft_model
+
+        targets = []
+        for i, kind in enumerate(config.mlp_layer_types):
+            targets += [f"model.layers.{i}.self_attn.{p}" for p in attn]
+            if kind == "dense":
+                targets += [f"model.layers.{i}.mlp.{p}" for p in dense]
+        peft_model = get_peft_model(build_model(config, seed=seed, dtype=torch.float32),
+                                    LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(0)
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        peft_model.save_pretrained(out_dir)
+        return peft_model.merge_and_unload()
+
+    return make

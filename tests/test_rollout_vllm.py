@@ -47,27 +47,12 @@ def reference_logprobs(model, prompt, out, routed=None):
 
 
 @pytest.fixture(scope="module")
-def fp32_setup(tiny_config, tmp_path_factory):
+def fp32_setup(tiny_config, tmp_path_factory, make_random_lora):
     """An FP32 checkpoint, its reference, a PEFT adapter + merged reference, and an FP32 engine with LoRA."""
-    from peft import LoraConfig, get_peft_model
-
     root = tmp_path_factory.mktemp("fp32")
     ref = build_model(tiny_config, seed=11, dtype=torch.float32)
     ckpt = save_checkpoint(ref, root / "ckpt")
-    targets = []
-    for i, kind in enumerate(tiny_config.mlp_layer_types):
-        targets += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj")]
-        if kind == "dense":
-            targets += [f"model.layers.{i}.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-    peft_model = get_peft_model(build_model(tiny_config, seed=11, dtype=torch.float32),
-                                LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    peft_model.save_pretrained(root / "adapter")
-    merged = peft_model.merge_and_unload()
+    merged = make_random_lora(tiny_config, 11, root / "adapter")
     llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=512,
               seed=0, enable_lora=True, max_lora_rank=8, worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension")
     llm.collective_rpc("beam_start_routing_capture")

@@ -138,23 +138,10 @@ def test_sync_megatron_then_greedy_equals_fresh_engine(setup, tiny_vllm, capsys)
         assert httpx.get(f"{u}/is_paused").json()["is_paused"] is False
 
 
-def test_lora_hot_load_matches_merged_reference(setup, tiny_config, tiny_model, tmp_path):
-    from peft import LoraConfig, get_peft_model
-
-    targets = []
-    for i, kind in enumerate(tiny_config.mlp_layer_types):
-        targets += [f"model.layers.{i}.self_attn.{p}" for p in ("q_proj", "v_proj", "o_proj", "gate_proj")]
-        if kind == "dense":
-            targets += [f"model.layers.{i}.mlp.down_proj"]
-    peft_model = get_peft_model(build_model(tiny_config, seed=0, dtype=torch.float32),
-                                LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(0)
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    peft_model.save_pretrained(tmp_path / "adapter")
-    merged = peft_model.merge_and_unload().to(torch.bfloat16).eval()  # FP32 merge, rounded once
+def test_lora_hot_load_matches_merged_reference(setup, tiny_config, tiny_model, tmp_path, make_random_lora):
+    merged = make_random_lora(tiny_config, 0, tmp_path / "adapter", attn=("q_proj", "v_proj", "o_proj", "gate_proj"),
+                              dense=("down_proj",))
+    merged = merged.to(torch.bfloat16).eval()  # FP32 merge, rounded once
 
     urls = setup["urls"]  # both servers serve the new weights (tiny_model) after the previous test
     rc = main(["sync", *sum((["--server", u] for u in urls), []), "--lora", str(tmp_path / "adapter"), "--lora-name", "policy"])

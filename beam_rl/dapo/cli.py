@@ -14,7 +14,7 @@ def cmd_dapo(args) -> int:
     out = args.out or recipe.run.out
     t0 = time.perf_counter()
     try:
-        history = run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after)
+        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after)
     except R3GapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
