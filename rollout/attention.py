@@ -49,8 +49,8 @@ class BeamAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=False,
             quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
-        self.q_norm = ops.HeadNorm(self.head_dim, self.eps)
-        self.k_norm = ops.HeadNorm(self.head_dim, self.eps)
+        self.q_norm = ops.NormWeight(self.head_dim)  # one weight shared by all heads
+        self.k_norm = ops.NormWeight(self.head_dim)
         self.positional = ops.rope_tables(config) if self.is_sliding else ops.ssmax_table(config)
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads=self.num_kv_heads,

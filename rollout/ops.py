@@ -19,23 +19,14 @@ from beam_rl.config import BeamConfig
 _TABLES: dict[tuple, torch.Tensor] = {}
 
 
-def use_fused_kernels(t: torch.Tensor) -> bool:
+def use_fused_kernels() -> bool:
     """The `beam_rl::*` custom ops: Triton on CUDA, the reference elsewhere. Either way torch.compile
     sees one opaque op and cannot re-round inside it (compiled plain PyTorch does)."""
     return os.environ.get("BEAM_RL_FUSED_KERNELS", "1") != "0"
 
 
-class HeadNorm(nn.Module):
-    """An RMSNorm weight over head_dim (shared by all heads); applied by `qk_norm_positional`."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
-        self.eps = eps
-
-
 class NormWeight(nn.Module):
-    """A plain RMSNorm weight over hidden; applied by the boundary op."""
+    """A plain RMSNorm weight (hidden, or head_dim for Q/K); the op that uses it applies it."""
 
     def __init__(self, dim: int):
         super().__init__()
@@ -132,32 +123,32 @@ def _(sublayer_out, residual, post_weight, next_weight, add_index, eps):
 def qk_norm_positional(q, k, q_weight, k_weight, positions, eps, is_sliding: bool, table: PositionTable):
     """Per-head Q/K RMSNorm then RoPE (sliding layers) or SSMax on q (NoPE layers)."""
     t = table.on(q.device)
-    if use_fused_kernels(q):
+    if use_fused_kernels():
         return _fused_qk_norm_positional(q, k, q_weight, k_weight, positions, eps, t, is_sliding)
     return numerics.qk_norm_rope_ssmax(q, k, q_weight, k_weight, positions, eps,
                                        t if is_sliding else None, None if is_sliding else t)
 
 
 def output_gate(attn, gate, bias):
-    return _fused_output_gate(attn, gate, bias) if use_fused_kernels(attn) else numerics.output_gate(attn, gate, bias)
+    return _fused_output_gate(attn, gate, bias) if use_fused_kernels() else numerics.output_gate(attn, gate, bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU of a packed [T, 2F] gate_up (gate first)."""
-    if use_fused_kernels(gate_up):
+    if use_fused_kernels():
         return _fused_silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return numerics.silu_and_mul(gate, up)
 
 
 def rms_norm(x, weight, eps):
-    return _fused_rms_norm(x, weight, eps) if use_fused_kernels(x) else numerics.rms_norm(x, weight, eps)
+    return _fused_rms_norm(x, weight, eps) if use_fused_kernels() else numerics.rms_norm(x, weight, eps)
 
 
 def sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps):
     """Post-norm, depth-scaled add, next pre-norm -> (residual', next input); always with a next norm
     here (the last layer's is the final norm)."""
-    if use_fused_kernels(sublayer_out):
+    if use_fused_kernels():
         return _fused_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps)
     return numerics.sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_index, eps)
 
@@ -169,7 +160,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: Bea
     cuBLAS GEMM + the PyTorch top-k; CPU: the reference (FP64-accumulated logits)."""
     args = dict(top_k=config.num_experts_per_tok, n_group=config.n_group, topk_group=config.topk_group,
                 routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
-    if use_fused_kernels(x):
+    if use_fused_kernels():
         return kernels.route(x, weight, bias, **args)
     logits = x.float() @ weight.t() if x.is_cuda else routing.router_logits(x, weight)
     return routing.select_experts(logits, bias, **args)

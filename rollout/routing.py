@@ -15,10 +15,16 @@ from beam_rl.config import BeamConfig
 
 
 def fetch_routed_experts(llm, outputs) -> list[np.ndarray]:
-    """Routing of each `RequestOutput` in `outputs` (first completion), in order."""
+    """Routing of each `RequestOutput` in `outputs` (first completion), in order: vLLM's own
+    capture where it filled `routed_experts`, else `BeamWorkerExtension`'s."""
     native = [getattr(o.outputs[0], "routed_experts", None) for o in outputs]
     if all(r is not None for r in native):
         return [np.asarray(r) for r in native]
+    return fetch_captured_routing(llm, outputs)
+
+
+def fetch_captured_routing(llm, outputs) -> list[np.ndarray]:
+    """Routing of each request as captured by `BeamWorkerExtension` (removed from the worker)."""
     replies = llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outputs],))
     got = replies[0]  # every TP rank routes identically; rank 0 answers
     missing = [o.request_id for o in outputs if o.request_id not in got]

@@ -38,17 +38,16 @@ def run_build(args) -> dict:
     build = BUILDS[args.build]
     if build["compilation"] is not None:
         extra["compilation_config"] = build["compilation"]
+    engine_args = dict(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+                       max_num_batched_tokens=16384, max_num_seqs=16, enable_prefix_caching=False,
+                       gpu_memory_utilization=0.6, seed=0)
     t0 = time.time()
     try:
-        llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-                  max_num_batched_tokens=16384, max_num_seqs=16, enable_prefix_caching=False,
-                  gpu_memory_utilization=0.6, seed=0, **extra)
+        llm = LLM(**engine_args, **extra)
         mode = "as configured"
     except Exception as err:  # no CUDA graphs without compilation on this vLLM: plain eager
         print(f"[{args.build}] {extra} refused ({type(err).__name__}: {err}); using enforce_eager", flush=True)
-        llm = LLM(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-                  max_num_batched_tokens=16384, max_num_seqs=16, enable_prefix_caching=False,
-                  gpu_memory_utilization=0.6, seed=0, enforce_eager=True)
+        llm = LLM(**engine_args, enforce_eager=True)
         mode = "enforce_eager"
     start_s = time.time() - t0
     from beam_rl.checkpoint import load_config

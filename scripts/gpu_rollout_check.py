@@ -49,7 +49,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     from beam_rl.checkpoint import load_config
-    from beam_rl.rollout.routing import moe_layers
+    from beam_rl.rollout.routing import fetch_captured_routing, moe_layers
 
     config = load_config(ckpt)
     llm = LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=2048,
@@ -62,9 +62,7 @@ def main() -> int:
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     native = [np.asarray(o.outputs[0].routed_experts) for o in outs]
-    ext = llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outs],))[0]
-    ext = [np.frombuffer(ext[o.request_id][2], dtype=np.dtype(ext[o.request_id][1])).reshape(ext[o.request_id][0])
-           for o in outs]
+    ext = fetch_captured_routing(llm, outs)
     same_capture = all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(native, ext))
     print(f"capture paths identical: {same_capture}; shapes {[a.shape for a in native[:3]]} dtype {native[0].dtype}")
     del llm
