@@ -38,8 +38,9 @@ def run_build(args) -> dict:
     build = BUILDS[args.build]
     if build["compilation"] is not None:
         extra["compilation_config"] = build["compilation"]
-    engine_args = dict(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-                       max_num_batched_tokens=16384, max_num_seqs=16, enable_prefix_caching=False,
+    max_len = max(args.prefill_len + 1, 32 + 1 + args.decode_tokens)
+    engine_args = dict(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_len,
+                       max_num_batched_tokens=max(16384, 8 * args.prefill_len), max_num_seqs=16, enable_prefix_caching=False,
                        gpu_memory_utilization=0.6, seed=0)
     t0 = time.time()
     try:
@@ -64,7 +65,7 @@ def run_build(args) -> dict:
     timed([prompt], 8)  # warm-up
     n = args.decode_tokens
     decode = [(timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3 for _ in range(args.repeats)]
-    long_prompts = [[(i * 31 + j * 17) % vocab for i in range(2048)] for j in range(8)]
+    long_prompts = [[(i * 31 + j * 17) % vocab for i in range(args.prefill_len)] for j in range(8)]
     timed(long_prompts, 1)
     prefill = [timed(long_prompts, 1) * 1e3 for _ in range(args.repeats)]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
@@ -80,24 +81,37 @@ def main() -> int:
     ap.add_argument("--build", choices=sorted(BUILDS), help="(internal) run one build in this process")
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill-len", type=int, default=2048, help="tokens per prompt of the 8-prompt prefill")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--log-dir", default=None, help="keep each build's full stdout/stderr here")
+    ap.add_argument("--builds", default=",".join(BUILDS), help="comma-separated subset of " + ",".join(BUILDS))
     args = ap.parse_args()
     if args.build:
         print("RESULT " + json.dumps(run_build(args)), flush=True)
         return 0
-    results = {}
-    for name, build in BUILDS.items():
-        env = {**os.environ, **build["env"]}
+    results, failed = {}, []
+    for name in args.builds.split(","):
+        env = {**os.environ, **BUILDS[name]["env"]}
         cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
-               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats)]
+               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if args.log_dir:
+            os.makedirs(args.log_dir, exist_ok=True)
+            with open(os.path.join(args.log_dir, f"{name}.log"), "w") as fh:
+                fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
         lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
         if proc.returncode or not lines:
-            print(proc.stdout[-3000:], proc.stderr[-5000:])
-            raise SystemExit(f"build {name} failed")
+            print(f"build {name} failed (exit {proc.returncode}):", proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
+            failed.append(name)
+            continue
         results[name] = json.loads(lines[-1][len("RESULT "):])
         print(f"[{name}] start {results[name]['engine_start_s']:.0f} s, decode {results[name]['decode_ms']:.3f} ms/step, "
               f"prefill {results[name]['prefill_ms']:.1f} ms ({results[name]['mode']})", flush=True)
+    if failed or set(results) != set(BUILDS):
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"builds": results, "failed": failed}, fh, indent=1)
+        raise SystemExit(f"builds failed or not run: {sorted(set(BUILDS) - set(results))}; no comparison printed")
     import torch
     import vllm
 

@@ -1,6 +1,7 @@
 """Where the R3-on gap comes from: one vLLM rollout, several trainer definitions (docs/r3.md).
 
     python scripts/gap_sources.py --preset beam-tiny [--num-prompts 16 --max-tokens 64] [--json]
+    python scripts/gap_sources.py --checkpoint DIR --num-prompts 64 --min-prompt-len 32 --max-prompt-len 256 --max-tokens 512
 
 Trainers, each recomputing the same rollout with its routing replayed:
 - megatron bf16 (the `beam-rl gap --mode bf16` trainer: FP32 attention, FP32 LM head)
@@ -8,34 +9,86 @@ Trainers, each recomputing the same rollout with its routing replayed:
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
 - megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
 - megatron mxfp8-emulated
-- the reference model (FP64 attention and router logits, the spec)
+- the reference model (FP64 attention and router logits, the spec), and two variants of it that
+  round where GPU rollout kernels do: attention probabilities rounded to BF16 before P.V (flash
+  attention: P = exp(s - max) in BF16, normaliser from the unrounded P), and each weighted expert
+  output rounded to BF16 before the top-k sum (vLLM's Triton fused MoE writes w_k * expert_k(x) in
+  BF16, then sums the k rows). A variant that moves much closer to the rollout names the source.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import tempfile
 from pathlib import Path
 
 
-def reference_deltas(checkpoint, batch):
+def _attention_bf16_probs(q, k, v, q_positions, k_positions, sliding_window):
+    """numerics.attention with P = exp(s - rowmax) rounded to BF16 before P.V (flash attention)."""
+    import math
+
+    import torch
+
+    groups = q.shape[1] // k.shape[1]
+    kf = k.double().repeat_interleave(groups, dim=1)
+    vf = v.double().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kf) / math.sqrt(q.shape[-1])
+    dist = q_positions[:, None] - k_positions[None, :]
+    visible = dist >= 0
+    if sliding_window is not None:
+        visible &= dist < sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    out = torch.einsum("hqk,khd->qhd", p.to(torch.bfloat16).double(), vf) / p.sum(-1).transpose(0, 1)[..., None]
+    return out.to(q.dtype)
+
+
+def _moe_combine_bf16_terms(expert_out, weights):
+    """numerics.moe_combine with each weighted expert output rounded to BF16 before the sum."""
+    import torch
+
+    terms = (weights[..., None].float() * expert_out.float()).to(expert_out.dtype).float()
+    acc = torch.zeros_like(terms[:, 0])
+    for j in range(terms.shape[1]):
+        acc += terms[:, j]
+    return acc.to(expert_out.dtype)
+
+
+REFERENCE_VARIANTS = {
+    "reference model (FP64 attention)": {},
+    "reference, attention P rounded to BF16 (flash attention)": {"attention": _attention_bf16_probs},
+    "reference, expert outputs rounded before the top-k sum (Triton MoE)": {"moe_combine": _moe_combine_bf16_terms},
+}
+
+
+def reference_deltas(checkpoint, batch, patches=None):
     import numpy as np
     import torch
 
+    from beam_rl import numerics
     from beam_rl.checkpoint import load_checkpoint
 
-    ref = load_checkpoint(checkpoint)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = load_checkpoint(checkpoint, device=device)
+    saved = {name: getattr(numerics, name) for name in (patches or {})}
     out = []
-    with torch.no_grad():
-        for s in batch.samples:
-            ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.output_ids]))[None]
-            routed = torch.cat([torch.from_numpy(s.routed_experts).long(),
-                                torch.arange(batch.config.num_experts_per_tok).expand(1, batch.config.num_moe_layers, -1)])[None]
-            logits = ref(ids, routed_experts=routed).logits[0].float()
-            P = len(s.prompt_ids)
-            lp = torch.log_softmax(logits[P - 1 : -1], -1).gather(-1, ids[0, P:, None])[:, 0]
-            out.append(lp.double().numpy() - s.logprobs.astype(np.float64))
+    try:
+        for name, fn in (patches or {}).items():
+            setattr(numerics, name, fn)
+        with torch.no_grad():
+            for s in batch.samples:
+                ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.output_ids]))[None].to(device)
+                routed = torch.cat([torch.from_numpy(s.routed_experts).long(),
+                                    torch.arange(batch.config.num_experts_per_tok).expand(1, batch.config.num_moe_layers, -1)])[None]
+                logits = ref(ids, routed_experts=routed.to(device)).logits[0].float()
+                P = len(s.prompt_ids)
+                lp = torch.log_softmax(logits[P - 1 : -1], -1).gather(-1, ids[0, P:, None])[:, 0]
+                out.append(lp.double().cpu().numpy() - s.logprobs.astype(np.float64))
+    finally:
+        for name, fn in saved.items():
+            setattr(numerics, name, fn)
     return out
 
 
@@ -44,22 +97,28 @@ def main() -> None:
     from beam_rl.checkpoint import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="beam-tiny")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="beam-tiny")
+    src.add_argument("--checkpoint", help="an existing checkpoint directory instead of a seeded preset")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--min-prompt-len", type=int, default=8)
+    p.add_argument("--max-prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    opts = GapOptions(preset=args.preset, num_prompts=args.num_prompts, max_tokens=args.max_tokens, seed=args.seed, progress=False)
+    opts = GapOptions(preset=args.preset, num_prompts=args.num_prompts, min_prompt_len=args.min_prompt_len,
+                      max_prompt_len=args.max_prompt_len, max_tokens=args.max_tokens, seed=args.seed, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         from beam_rl.gap import _build_checkpoint
 
-        ckpt = str(_build_checkpoint(args.preset, args.seed, Path(tmp) / args.preset))
+        ckpt = args.checkpoint or str(_build_checkpoint(args.preset, args.seed, Path(tmp) / args.preset))
         config = load_config(ckpt)
         prompts = default_prompts(config, opts.num_prompts, opts.min_prompt_len, opts.max_prompt_len, opts.seed)
         llm = start_engine(ckpt, config, opts, max_model_len=max(map(len, prompts)) + opts.max_tokens + 1)
         batch = rollout(llm, prompts, config, opts, None)
         del llm
+        gc.collect()
         rows = {}
         variants = {
             "megatron bf16 (gap --mode bf16)": dict(mode="bf16"),
@@ -72,7 +131,9 @@ def main() -> None:
             model = build_variant(ckpt, config, opts, v)
             deltas, differ, pairs = recompute(model, batch, replay=True, micro_batch=8, progress=False)
             rows[name] = gap_stats(deltas, differ, pairs)
-        rows["reference model (FP64 attention)"] = gap_stats(reference_deltas(ckpt, batch), 0, 1)
+            del model
+        for name, patches in REFERENCE_VARIANTS.items():
+            rows[name] = gap_stats(reference_deltas(ckpt, batch, patches), 0, 1)
     if args.json:
         print(json.dumps({k: v.__dict__ for k, v in rows.items()}))
         return

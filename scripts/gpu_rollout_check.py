@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process does torch work
     ckpt = os.path.join(args.out, args.preset)
@@ -54,6 +55,7 @@ def main() -> int:
     config = load_config(ckpt)
     llm = LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=2048,
               gpu_memory_utilization=0.5, seed=0, enable_return_routed_experts=True,
+              tensor_parallel_size=args.tensor_parallel,
               worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension")
     llm.collective_rpc("beam_start_routing_capture")
     gen = torch.Generator().manual_seed(1)
@@ -71,7 +73,7 @@ def main() -> int:
     from beam_rl.checkpoint import load_checkpoint
 
     ref = load_checkpoint(ckpt, device="cuda")
-    report = {"capture_paths_identical": bool(same_capture), "sequences": []}
+    report = {"capture_paths_identical": bool(same_capture), "tensor_parallel": args.tensor_parallel, "sequences": []}
     diffs, agree, considered, shared, dis = [], 0, 0, [], []
     with torch.no_grad():
         for p, o, routed in zip(prompts, outs, native):

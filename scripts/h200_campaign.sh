@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The H200 runs of beam-rl in few device calls: named stages in lanes, one lane per GPU, logs and
+# results under $OUT (the device tool returns that folder).
+#
+#     bash scripts/h200_campaign.sh "bench_rollout dapo" "megatron bench_train gap"
+#
+# Each argument is a lane: its stages run in order on GPU <lane index> (CUDA_VISIBLE_DEVICES);
+# with fewer GPUs than lanes the lanes run one after another. Every stage runs under a timeout
+# that ends before the call's own limit ($BUDGET seconds from the start, default 570) and records
+# its exit code in $OUT/status. The beam-mini checkpoint is written once to $WORK (seed 0).
+#
+# Prerequisites: the gpu-kit unpacked and beam-rl's wheel installed into /tmp/beam, then
+#     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# Stages run from $WORK, never from the repository root (the source tree would shadow the
+# installed package, whose beam_rl.rollout the vLLM plugin entry point imports).
+#
+# Stages:
+#   megatron       tests/gpu/test_megatron_gpu.py (parity under R3 per mode, a training step)
+#   kernels        tests/gpu/test_kernels_gpu.py
+#   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096, bf16 / lora / mxfp8-emulated
+#   bench_rollout  scripts/bench_rollout.py: fused / compiled / eager builds, CUDA graphs
+#   bench_kernels  scripts/bench_kernels.py (all kernels)
+#   gap            scripts/gap_h200.sh (bf16, lora, mxfp8; then gap_sources.py)
+#   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps)
+#   tp2            scripts/gpu_rollout_check.py --tensor-parallel 2 (needs 2 GPUs; run it alone)
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$REPO/runs/h200}
+WORK=${WORK:-/tmp/beam-work}
+BUDGET=${BUDGET:-570}
+START=$(date +%s)
+mkdir -p "$OUT" "$WORK"
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+CKPT=$WORK/beam-mini
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+
+checkpoint() {  # one writer; other lanes wait for it
+  if mkdir "$WORK/.ckpt.lock" 2>/dev/null; then
+    [ -f "$CKPT/config.json" ] || python3 -m beam_rl.cli init --preset beam-mini --seed 0 --out "$CKPT" >>"$OUT/checkpoint.log" 2>&1
+    touch "$WORK/.ckpt.done"
+  fi
+  while [ ! -f "$WORK/.ckpt.done" ]; do sleep 2; done
+}
+
+stage_cmd() {
+  case "$1" in
+    megatron) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_megatron_gpu.py" ;;
+    kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py" ;;
+    bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes bf16 lora mxfp8-emulated" ;;
+    bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs" ;;
+    bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json" ;;
+    gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
+    dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200; cp $WORK/mini-h200/metrics.jsonl $OUT/dapo_metrics.jsonl" ;;
+    tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
+    *) echo "echo unknown stage $1; exit 2" ;;
+  esac
+}
+
+run_lane() {  # lane index, stages
+  local gpu=$1; shift
+  for stage in "$@"; do
+    local left=$(( BUDGET - ($(date +%s) - START) ))
+    if [ "$left" -lt 30 ]; then echo "$stage skipped (no time left)" >>"$OUT/status"; continue; fi
+    local t0=$(date +%s)
+    ( cd "$WORK" && export -f checkpoint && export CKPT WORK OUT && \
+      CUDA_VISIBLE_DEVICES=$([ "$stage" = tp2 ] && echo 0,1 || echo "$gpu") timeout -k 10 "$left" bash -c "$(stage_cmd "$stage")" ) >"$OUT/$stage.log" 2>&1
+    echo "$stage rc=$? ${left}s-budget took $(( $(date +%s) - t0 ))s gpu=$gpu" >>"$OUT/status"
+  done
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$OUT/gpus.csv" 2>&1
+lane=0
+pids=()
+for stages in "$@"; do
+  gpu=$(( NGPU > 1 ? lane % NGPU : 0 ))
+  if [ "$NGPU" -gt 1 ]; then run_lane "$gpu" $stages & pids+=($!); else run_lane 0 $stages; fi
+  lane=$((lane + 1))
+done
+for p in "${pids[@]}"; do wait "$p"; done
+
+echo "== status =="; cat "$OUT/status"
+for f in "$OUT"/*.log; do echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n 25; done
