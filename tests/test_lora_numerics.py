@@ -1,0 +1,116 @@
+"""The LoRA adapter's arithmetic on the Megatron trainer (beam_rl/megatron/lora.py docstring): BF16
+roundings at the points vLLM's LoRA kernels round (A, B loaded in the model dtype, scaling folded
+into B there, the shrink result rounded, the expand result rounded, the add rounded), bit for bit."""
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from beam_rl.megatron import lora  # noqa: E402
+from beam_rl.megatron.cpu import init_single_process  # noqa: E402
+from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
+
+BF16 = torch.bfloat16
+R, ALPHA = 8, 12.0  # scaling 1.5: not a power of two, so folding it into BF16 B rounds
+
+
+def rnd(t: torch.Tensor) -> torch.Tensor:
+    return t.to(BF16).float()
+
+
+def contract(x: torch.Tensor, base: torch.Tensor, pairs, scaling: float) -> torch.Tensor:
+    """y = rnd(base + rnd(rnd(x A'^T) B'^T)) per slice, A' = rnd(A), B' = rnd(rnd(B) * scaling)."""
+    d = [rnd(rnd(x.float() @ rnd(a).t()) @ rnd(rnd(b) * scaling).t()) for a, b in pairs]
+    return (base.float() + torch.cat(d, dim=-1)).to(base.dtype)
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_model, tiny_config):
+    """BF16 Megatron beam-tiny with adapters holding random, not BF16-exact A and B; per adapted module
+    the input, the base output (before the LoRA hook) and the final output of one forward."""
+    init_single_process()
+    model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict()).eval()
+    inner = getattr(model, "module", model)
+    seen: dict = {}
+    targets = [(n, m) for n, m, _ in lora._targets(inner, lora.DEFAULT_TARGETS)]
+    for name, m in targets:  # registered before add_lora's hook: sees the base output
+        m.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, {}).update(x=i[0], base=o[0]))
+    names = lora.add_lora(model, r=R, alpha=ALPHA)
+    assert sorted(names) == sorted(n for n, _ in targets)
+    for name, m in targets:  # after it: the adapted output
+        m.register_forward_hook(lambda m, i, o, name=name: seen[name].update(y=o[0]))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if ".B." in n else 0.1))
+        ids = torch.randint(0, tiny_config.vocab_size, (2, 20), generator=g)
+        model(ids, torch.arange(20).expand(2, 20), None)
+    return {name: (m, seen[name]) for name, m in targets}
+
+
+def test_megatron_lora_output_is_the_contract_bit_for_bit(adapted):
+    assert any(len(m.lora.A) == 2 for m, _ in adapted.values()), "the fused fc1 (gate | up) must be covered"
+    for name, (m, t) in adapted.items():
+        assert t["x"].dtype == t["base"].dtype == t["y"].dtype == BF16, name
+        want = contract(t["x"], t["base"], list(zip(m.lora.A, m.lora.B)), m.lora.scaling)
+        assert torch.equal(t["y"], want), name
+        # and it is not the one-rounding FP32 definition it replaced (the check has teeth)
+        fp32 = (t["base"].float() + torch.cat([(t["x"].float() @ a.t()) @ b.t() for a, b in zip(m.lora.A, m.lora.B)], -1)
+                * m.lora.scaling).to(BF16)
+        assert not torch.equal(t["y"], fp32), name
+
+
+def test_megatron_lora_equals_vllm_cpu_lora_ops(adapted):
+    """vLLM's own CPU kernels (the calls PunicaWrapperCPU.add_lora_linear makes, weights prepared as
+    vLLM loads a PEFT adapter: model dtype, scaling folded into B) give the same output bits."""
+    pytest.importorskip("vllm")
+    from vllm.lora.ops.torch_ops import bgmv_expand_slice, bgmv_shrink
+
+    for name, (m, t) in adapted.items():
+        x = t["x"].reshape(-1, t["x"].shape[-1])
+        y = t["base"].reshape(-1, t["base"].shape[-1]).clone()
+        idx = torch.zeros(x.shape[0], dtype=torch.long)
+        offset = 0
+        for a, b in zip(m.lora.A, m.lora.B):
+            a_v = a.detach().to(BF16)[None, None]  # [max_loras, 1, r, in]
+            b_v = b.detach().to(BF16)
+            b_v *= m.lora.scaling  # LoRALayerWeights.optimize, in place on the BF16 tensor
+            buf = torch.zeros(x.shape[0], R, dtype=torch.float32)
+            bgmv_shrink(x, a_v, buf, idx, 1.0)
+            bgmv_expand_slice(buf, b_v[None, None], y, idx, offset, b_v.shape[0], add_inputs=True)
+            offset += b_v.shape[0]
+        assert torch.equal(y, t["y"].reshape(y.shape)), name
+
+
+def test_gradients_flow_straight_through():
+    """A and B are trained through the roundings: their gradients are those of the unrounded formula
+    (to BF16 precision) and exact zeros nowhere by construction."""
+    g = torch.Generator().manual_seed(1)
+    ad = lora.LoRAAdapter(64, (48, 48), R, ALPHA)
+    with torch.no_grad():
+        for p in ad.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(3, 5, 64, generator=g).to(BF16)
+    up = torch.randn(3, 5, 96, generator=g)
+    (ad.delta(x, BF16) * up).sum().backward()
+    got = [p.grad.clone() for p in ad.parameters()]
+    ad.zero_grad()
+    ref = torch.cat([(x.float() @ a.t()) @ b.t() for a, b in zip(ad.A, ad.B)], -1) * ad.scaling
+    (ref * up).sum().backward()
+    for gg, want in zip(got, (p.grad for p in ad.parameters())):
+        assert gg.dtype == torch.float32 and torch.isfinite(gg).all()
+        torch.testing.assert_close(gg, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+def test_fp32_model_adapter_is_unrounded():
+    """In an FP32 model (vLLM's lora_dtype follows the model dtype) nothing rounds."""
+    g = torch.Generator().manual_seed(2)
+    ad = lora.LoRAAdapter(32, (16,), R, ALPHA)
+    with torch.no_grad():
+        for p in ad.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(4, 32, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(ad.delta(x, torch.float32), (x @ ad.A[0].t()) @ (ad.B[0] * ad.scaling).t(), rtol=1e-6, atol=1e-6)
