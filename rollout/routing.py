@@ -24,7 +24,8 @@ def fetch_routed_experts(llm, outputs) -> list[np.ndarray]:
 
 
 def fetch_captured_routing(llm, outputs) -> list[np.ndarray]:
-    """Routing of each request as captured by `BeamWorkerExtension` (removed from the worker)."""
+    """Routing of each request as captured by `BeamWorkerExtension` (removed from the worker),
+    [prompt + generated - 1, num_hidden_layers, top_k] like vLLM's own array."""
     replies = llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outputs],))
     got = replies[0]  # every TP rank routes identically; rank 0 answers
     missing = [o.request_id for o in outputs if o.request_id not in got]
@@ -38,7 +39,17 @@ def fetch_captured_routing(llm, outputs) -> list[np.ndarray]:
     out = []
     for o in outputs:
         shape, dtype, data = got[o.request_id]
-        out.append(np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy())
+        arr = np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+        need = len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1
+        if arr.shape[0] < need:
+            raise RuntimeError(
+                f"request {o.request_id}: captured routing for {arr.shape[0]} positions; its prompt "
+                f"({len(o.prompt_token_ids)}) + output ({len(o.outputs[0].token_ids)}) tokens need {need}"
+            )
+        # Rows are filed by position. Positions >= `need` are forward passes of the last sampled
+        # token, which vLLM's async scheduler (GPU) runs before it learns the request stopped on a
+        # stop token; their outputs were discarded, so their routing belongs to no kept token.
+        out.append(arr[:need].copy())
     return out
 
 

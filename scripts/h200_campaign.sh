@@ -50,7 +50,7 @@ stage_cmd() {
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs" ;;
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
-    dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200; cp $WORK/mini-h200/metrics.jsonl $OUT/dapo_metrics.jsonl" ;;
+    dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
     *) echo "echo unknown stage $1; exit 2" ;;
   esac
@@ -77,6 +77,7 @@ for stages in "$@"; do
   lane=$((lane + 1))
 done
 for p in "${pids[@]}"; do wait "$p"; done
+cp "$WORK/mini-h200/metrics.jsonl" "$OUT/dapo_metrics.jsonl" 2>/dev/null  # also after a timeout
 
 echo "== status =="; cat "$OUT/status"
 for f in "$OUT"/*.log; do echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n 25; done
