@@ -17,9 +17,11 @@ accumulates in FP32 and is never rounded to BF16 (`numerics.lm_head_logits`, whi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Union
 
+import torch
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -79,6 +81,47 @@ class FP32OutputLayer(tensor_parallel.ColumnParallelLinear):
         if gather:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
         return logits, None
+
+
+class _FP32TensorParallelReduction:
+    """Row-parallel linear whose TP partial products are summed in FP32 and rounded once.
+
+    Beam rounds a GEMM's output once, from an FP32 accumulation (numerics contract). Megatron's
+    RowParallelLinear rounds each TP rank's partial product to BF16 and all-reduces (or, with
+    sequence parallelism, reduce-scatters) in BF16: two more roundings per o_proj / down_proj,
+    which on beam-tiny moved TP2 BF16 log-probs by a mean 1.4e-2 from the (bit-exact) TP1 model.
+    With TP > 1 and a non-FP32 input, the partial GEMM here runs on FP32 copies of input and
+    weight, the reduction runs in FP32 and the sum is rounded to the input dtype. Expert fc2
+    under expert TP (explicit_expert_comm: the MoE dispatcher reduce-scatters in FP32 after the
+    gate-weight multiply) returns the FP32 partial unrounded. TP = 1 and FP32 are unchanged."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        impl = self._forward_impl
+        self._fp32_partials = False
+
+        def forward_impl(input, weight, *a, **kw):
+            if self._fp32_partials:
+                input, weight = input.float(), weight.float()
+            return impl(input, weight, *a, **kw)
+
+        self._forward_impl = forward_impl
+
+    def forward(self, input_):
+        self._fp32_partials = input_.dtype != torch.float32 and self.tp_group is not None and self.tp_group.size() > 1
+        try:
+            output, bias = super().forward(input_)
+        finally:
+            fp32, self._fp32_partials = self._fp32_partials, False
+        if fp32 and not self.explicit_expert_comm:
+            output = output.to(input_.dtype)
+        return output, bias
+
+
+@functools.cache
+def fp32_tp_reduction(row_cls: type) -> type:
+    """`row_cls` (RowParallelLinear or a subclass) with `_FP32TensorParallelReduction`."""
+    return type(f"Beam{row_cls.__name__}", (_FP32TensorParallelReduction, row_cls), {})
 
 
 class BeamGPTModel(GPTModel):

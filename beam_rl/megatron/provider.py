@@ -122,13 +122,16 @@ class BeamModelProvider:
         return TransformerConfig(**kwargs)
 
     def _linear_classes(self):
+        """(column, row) parallel linear classes; the row class reduces TP partials in FP32
+        (`layers.fp32_tp_reduction`: Beam rounds a GEMM once)."""
+        from beam_rl.megatron.layers import fp32_tp_reduction
         from beam_rl.megatron.mxfp8 import mxfp8_linear_classes
 
         if self.mode.startswith("mxfp8"):
-            return mxfp8_linear_classes(self.mode, fallback_to_emulation=self.mxfp8_fallback_to_emulation)
-        from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-        return ColumnParallelLinear, RowParallelLinear
+            col, row = mxfp8_linear_classes(self.mode, fallback_to_emulation=self.mxfp8_fallback_to_emulation)
+        else:
+            from megatron.core.tensor_parallel.layers import ColumnParallelLinear as col, RowParallelLinear as row
+        return col, fp32_tp_reduction(row)
 
     def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None) -> BeamGPTModel:
         """The Megatron model of this pipeline stage (first / last stage by default from parallel_state)."""
