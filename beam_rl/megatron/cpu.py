@@ -13,6 +13,11 @@ replaces exactly one of them, only when CUDA is unavailable, and is idempotent
 3. `CudaRNGStatesTracker.add` seeds through `torch.cuda.manual_seed` + `torch.cuda.get_rng_state`;
    patched to build the state with a CPU generator, so `model_parallel_cuda_manual_seed` works.
 
+Multi-rank worlds (tensor / sequence / expert parallelism over gloo, one process per rank with
+RANK / WORLD_SIZE / LOCAL_RANK set) need nothing more: torch 2.13's gloo implements the
+all_gather_into_tensor / reduce_scatter_tensor that Megatron's TP, SP and allgather-dispatcher
+paths call (tests/test_megatron_parallel.py runs TP2, TP2 + SP and EP2 on 2 CPU processes).
+
 Not patched because Beam's provider avoids them: rotary embeddings (Beam computes its own FP32
 RoPE tables, `position_embedding_type="none"`), the alltoall token dispatcher's CUDA stream (the
 provider uses the allgather dispatcher), TE/Apex fused kernels (local spec only), and attention
@@ -73,7 +78,9 @@ def init_single_process(
     *, tensor_parallel: int = 1, expert_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234
 ) -> None:
     """Initialise a one-rank torch.distributed world (gloo on CPU, nccl on CUDA) and Megatron's
-    model-parallel state; idempotent. Sizes other than 1 need more ranks (use torchrun)."""
+    model-parallel state; idempotent. Sizes other than 1 need more ranks: start one process per
+    rank (torchrun, or torch.multiprocessing.spawn) with RANK / WORLD_SIZE / LOCAL_RANK (and
+    MASTER_ADDR / MASTER_PORT) set."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
