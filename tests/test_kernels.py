@@ -1,6 +1,13 @@
 """CPU tests of beam_rl.kernels: the dispatchers route to the references, the packing helper round-trips,
-and the ATen sum-order emulation is a plain FP32 sum in a fixed order. The Triton paths are tested on
+the ATen sum-order emulation is a plain FP32 sum in a fixed order, and the router kernels' FP64 GEMM
+gives the reference logits bit for bit in Triton's CPU interpreter. The Triton paths are tested on
 the GPU (tests/gpu/test_kernels_gpu.py)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +64,86 @@ def test_router_dispatch(hidden, experts, n_group, topk_group, top_k):
     assert torch.equal(wts, ref[0]) and torch.equal(ids, ref[1])
     rw, rids = K.replay(x, w, ids, routed_scaling_factor=2.5)
     assert torch.equal(rw, wts) and torch.equal(rids, ids)
+
+
+# Triton's interpreter must be switched on before triton is first imported, hence a child process.
+_INTERPRETED_ROUTER = textwrap.dedent("""
+    import torch
+    from beam_rl import routing
+    from beam_rl.kernels import router_ops as R
+
+    torch.manual_seed(0)
+    CASES = [  # tokens, hidden, experts, n_group, topk_group, top_k, use_dot, split_k
+        (1, 128, 16, 4, 2, 4, True, None), (7, 1024, 64, 8, 4, 8, True, None), (33, 1024, 64, 8, 4, 8, True, None),
+        (7, 200, 16, 4, 2, 4, True, 1), (1, 1024, 64, 8, 4, 8, False, None), (7, 128, 16, 4, 2, 4, False, None),
+        (33, 200, 16, 4, 2, 4, False, 3),
+    ]
+    for tokens, hidden, experts, ng, tg, tk, use_dot, split_k in CASES:
+        what = (tokens, hidden, experts, "dot" if use_dot else "broadcast", split_k)
+        x = torch.randn(tokens, hidden).to(torch.bfloat16) * 3
+        w = torch.randn(experts, hidden) / hidden**0.5
+        bias = 0.05 * torch.randn(experts)
+        kw = dict(top_k=tk, n_group=ng, topk_group=tg, routed_scaling_factor=2.5)
+        R._FP64_DOT = use_dot
+        ref_logits = routing.router_logits(x, w)
+        ref_w, ref_ids = routing.select_experts(ref_logits, bias, **kw)
+        part, split = R._logit_partials(x, w, split_k)
+        assert part.dtype == torch.float64 and split == part.shape[0] and (split > 1) == (split_k != 1), what
+        logits = torch.full((tokens, experts), float("nan"))
+        got_w, got_ids = R.route_triton(x, w, bias, **kw, split_k=split_k, logits_out=logits)
+        assert torch.equal(logits, ref_logits), (what, int((logits != ref_logits).sum()))
+        assert torch.equal(got_ids, ref_ids), what
+        # the epilogue on the reference logits gives the same bits (the interpreter's exp is numpy's,
+        # not ATen's, so the weights match the reference itself only to an ulp here; bit-exact on GPU)
+        epi_w, _ = R.select_experts_triton(ref_logits, bias, **kw)
+        assert torch.equal(got_w, epi_w), what
+        torch.testing.assert_close(got_w, ref_w, rtol=1e-6, atol=0)
+        logits.fill_(float("nan"))
+        rw, rids = R.replay_triton(x, w, ref_ids, routed_scaling_factor=2.5, split_k=split_k, logits_out=logits)
+        assert torch.equal(logits, ref_logits) and torch.equal(rids, ref_ids), what
+        assert torch.equal(rw, R.replay_experts_triton(ref_logits, ref_ids, routed_scaling_factor=2.5)[0]), what
+    # above TRITON_GEMM_MAX_TOKENS the logits are routing.router_logits itself
+    R.TRITON_GEMM_MAX_TOKENS = 4
+    logits = torch.full((7, 16), float("nan"))
+    R.route_triton(x[:7], w, bias, **kw, logits_out=logits)
+    assert torch.equal(logits, routing.router_logits(x[:7], w))
+    print("router interpreted ok")
+""")
+
+
+def test_router_triton_interpreted_logits_are_the_reference():
+    """The Triton router (both FP64 GEMM variants, split-K and not, masked K tails) under TRITON_INTERPRET=1:
+    logits bit-identical to `routing.router_logits`, ids identical to `select_experts`. An FP32-accumulating
+    GEMM fails this (80-90% of such logits differ from the FP64 reference in the last bit)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_ROUTER], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "router interpreted ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
+def test_router_fp64_dot_falls_back_once(monkeypatch):
+    """Where Triton cannot compile the FP64 tl.dot (3.6 on sm_90), the first call warns and every call
+    from then on uses the broadcast-multiply FP64 GEMM."""
+    from beam_rl.kernels import router_ops
+
+    calls = []
+
+    def fake_launch(x, weight, split_k, use_dot):
+        calls.append(use_dot)
+        if use_dot:
+            raise RuntimeError("PassManager::run failed")
+        return "partials", 1
+
+    monkeypatch.setattr(router_ops, "_launch_gemm", fake_launch)
+    monkeypatch.setattr(router_ops, "_FP64_DOT", None)
+    with pytest.warns(UserWarning, match="FP64 tl.dot did not compile"):
+        assert router_ops._logit_partials(None, None) == ("partials", 1)
+    assert router_ops._logit_partials(None, None) == ("partials", 1)
+    assert calls == [True, False, False] and router_ops._FP64_DOT is False
+    monkeypatch.setenv("BEAM_RL_ROUTER_FP64_DOT", "1")
+    assert router_ops._default_fp64_dot() is True
 
 
 @pytest.mark.parametrize("heads,kv,tp", [(6, 2, 1), (6, 2, 2), (8, 2, 4), (48, 8, 8)])
