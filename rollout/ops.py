@@ -156,11 +156,13 @@ def sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_inde
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: BeamConfig):
     """FP32 router GEMM + grouped sigmoid top-k -> (FP32 weights incl. routed scaling, ids).
 
-    CUDA: the fused router kernel (split-K FP32 GEMM + top-k in one launch); unfused CUDA: an FP32
-    cuBLAS GEMM + the PyTorch top-k; CPU: the reference (FP64-accumulated logits)."""
+    Fused (CUDA): the Triton router (FP64-accumulating split-K GEMM rounded once to FP32, then the
+    top-k); unfused, any device: the reference `routing.router_logits` (FP64-accumulated, rounded
+    once) + `routing.select_experts`. Both compute the correctly rounded logits, so both builds pick
+    the same experts; an FP32 GEMM here would sum in another order and flip near-ties (seen on the
+    H200: the fused and plain builds' greedy tokens diverged after 13 tokens)."""
     args = dict(top_k=config.num_experts_per_tok, n_group=config.n_group, topk_group=config.topk_group,
                 routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
     if use_fused_kernels():
         return kernels.route(x, weight, bias, **args)
-    logits = x.float() @ weight.t() if x.is_cuda else routing.router_logits(x, weight)
-    return routing.select_experts(logits, bias, **args)
+    return routing.select_experts(routing.router_logits(x, weight), bias, **args)
