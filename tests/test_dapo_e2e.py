@@ -3,6 +3,7 @@ a 2-step run (R3 gap, verified sync, checkpoints, metrics), kill/resume == unint
 adapter sync, and a tampered sync stopping the run. The engine's weights are restored afterwards."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +47,8 @@ def comparable(rows):
 
 def test_two_steps_then_resume_equals_uninterrupted(llm, tmp_path):
     r = recipe()
+    shm = Path("/dev/shm")
+    before = set(shm.glob("beam-rl-full-*")) if shm.is_dir() else set()
     full = run_dapo(r, tmp_path / "full", llm=llm, progress=False)
     assert [m["step"] for m in full] == [0, 1, 2]
     for m in full[1:]:
@@ -56,6 +59,9 @@ def test_two_steps_then_resume_equals_uninterrupted(llm, tmp_path):
     assert "heldout_avg2" in full[0] and "heldout_avg2" in full[2]
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 3
+    # the default sync directory is a temporary one under /dev/shm (where there is one), gone after the run
+    assert (set(shm.glob("beam-rl-full-*")) if shm.is_dir() else set()) == before
+    assert (tmp_path / "full" / "engine").exists() == (not shm.is_dir())
 
     # "killed" after step 1 (a stale partial checkpoint is left behind), then resumed
     part = run_dapo(r, tmp_path / "part", llm=llm, progress=False, stop_after=1)
@@ -76,11 +82,14 @@ def test_two_steps_then_resume_equals_uninterrupted(llm, tmp_path):
 
 @pytest.mark.parametrize("mode, budget", [("lora", 0.01), ("mxfp8", 0.03)])
 def test_lora_and_mxfp8_modes(llm, tmp_path, mode, budget):
-    r = recipe(run={"total_steps": 1, "eval_every": 1, "max_mean_abs_logprob_diff": budget}, train={"mode": mode, "lr": 1e-3})
-    rows = run_dapo(r, tmp_path, llm=llm, progress=False)
+    # an explicit rollout.sync_dir (kept after the run); the default is a temporary /dev/shm directory
+    r = recipe(run={"total_steps": 1, "eval_every": 1, "max_mean_abs_logprob_diff": budget}, train={"mode": mode, "lr": 1e-3},
+               rollout={"sync_dir": str(tmp_path / "sync")})
+    rows = run_dapo(r, tmp_path / "run", llm=llm, progress=False)
     assert rows[-1]["mean_abs_logprob_diff"] < budget
+    assert (tmp_path / "sync" / "weights" / "model.safetensors").exists()
     if mode == "lora":  # the adapter is synced (LoRARequest), not merged weights
-        assert (tmp_path / "engine" / "adapter_000001" / "adapter_model.safetensors").exists()
+        assert (tmp_path / "sync" / "adapter_000001" / "adapter_model.safetensors").exists()
 
 
 def test_tampered_sync_stops_the_run(llm, tmp_path, tiny_model):

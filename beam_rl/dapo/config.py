@@ -93,6 +93,11 @@ class RolloutConfig:
     """vLLM enforce_eager (no CUDA graphs / compile)."""
     max_num_seqs: int = 256
     """vLLM max_num_seqs."""
+    sync_dir: str | None = None
+    """Where the policy's weights are written for the engine to reload each step. Default: a
+    per-run directory under /dev/shm when it has room for twice the weights (the write is atomic),
+    else RUN_DIR/engine. RAM-backed, the sync skips the disk: on the H200 the disk path moved
+    mini-h200's 2.4 GB at 260-310 MB/s, half of each DAPO step."""
 
 
 @dataclass

@@ -8,7 +8,9 @@ reuse a running engine (tests): the run then starts with a verified sync of its 
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +48,19 @@ class Group:
     truncated: list[bool]
 
 
-def _engine_dir(run_dir: Path, tensors: dict, config) -> tuple[Path, dict]:
-    path = run_dir / "engine" / "weights"
+def sync_root(run_dir: Path, sync_dir: str | None, weight_bytes: int) -> tuple[Path, bool]:
+    """The directory the engine's weights go through, and whether it is a temporary one to remove
+    at the end (`rollout.sync_dir`)."""
+    if sync_dir:
+        return Path(sync_dir), False
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2.5 * weight_bytes:
+        return Path(tempfile.mkdtemp(prefix=f"beam-rl-{run_dir.name}-", dir=shm)), True
+    return run_dir / "engine", False
+
+
+def _engine_dir(root: Path, tensors: dict, config) -> tuple[Path, dict]:
+    path = root / "weights"
     sent = engine.write_weights(tensors, path, config)
     for f in TOKENIZER_FILES:
         shutil.copy(TOKENIZER_DIR / f, path / f)
@@ -73,7 +86,16 @@ class Job:
         self._build_policy(ckpt)
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.start_step if ckpt else None)
         base_tensors = self.policy.hf_tensors(merged=self.lora and recipe.train.lora.merge)
-        model_dir, sent = _engine_dir(self.run_dir, base_tensors, self.config)
+        nbytes = sum(t.numel() * t.element_size() for t in base_tensors.values())
+        self.engine_root, self._remove_engine_root = sync_root(self.run_dir, recipe.rollout.sync_dir, nbytes)
+        try:
+            self._start_engine(recipe, base_tensors, llm)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_engine(self, recipe: Recipe, base_tensors: dict, llm) -> None:
+        model_dir, sent = _engine_dir(self.engine_root, base_tensors, self.config)
         ro = recipe.rollout
         if llm is None:
             self.llm = engine.start_engine(str(model_dir), seed=recipe.run.seed, max_model_len=ro.max_model_len, kv_cache_gib=ro.kv_cache_gib,
@@ -114,8 +136,8 @@ class Job:
     def _sync_adapter(self, step: int):
         from vllm.lora.request import LoRARequest
 
-        path = self.run_dir / "engine" / f"adapter_{step:06d}"
-        self.policy.save_adapter(path, base=str(self.run_dir / "engine" / "weights"))
+        path = self.engine_root / f"adapter_{step:06d}"
+        self.policy.save_adapter(path, base=str(self.engine_root / "weights"))
         from beam_rl.megatron.lora import _peft_items
 
         sent = {}
@@ -123,7 +145,7 @@ class Job:
             sent[f"base_model.model.{hf}.lora_A.weight"] = a
             sent[f"base_model.model.{hf}.lora_B.weight"] = b
         engine.verified_adapter(path, sent)
-        old = self.run_dir / "engine" / f"adapter_{step - 1:06d}"
+        old = self.engine_root / f"adapter_{step - 1:06d}"
         if step > 0 and old.exists():
             shutil.rmtree(old)
         return LoRARequest(f"policy-{step}", step + 1, str(path))
@@ -206,7 +228,7 @@ class Job:
             nbytes = sum(p.numel() * 4 for p in self.policy.model.parameters() if p.requires_grad)
         else:
             tensors = self.policy.hf_tensors(merged=True)
-            path, sent = _engine_dir(self.run_dir, tensors, self.config)
+            path, sent = _engine_dir(self.engine_root, tensors, self.config)
             engine.verified_reload(self.llm, path, sent)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         dt = time.perf_counter() - t0
@@ -284,11 +306,20 @@ class Job:
         self.metrics.close()
         return history
 
+    def close(self) -> None:
+        """Remove a temporary sync directory (the engine has already loaded its contents)."""
+        if getattr(self, "_remove_engine_root", False):
+            shutil.rmtree(self.engine_root, ignore_errors=True)
+
 
 def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, llm=None, stop_after: int | None = None, progress: bool = True,
              log=print) -> list[dict]:
     torch.manual_seed(recipe.run.seed)
-    return Job(recipe, Path(run_dir), resume=resume, llm=llm, progress=progress, log=log).run(stop_after=stop_after)
+    job = Job(recipe, Path(run_dir), resume=resume, llm=llm, progress=progress, log=log)
+    try:
+        return job.run(stop_after=stop_after)
+    finally:
+        job.close()
 
 
 def summarize(history: list[dict], k: int = 8) -> dict:
