@@ -7,7 +7,9 @@ checkpoints and the models agree by construction. Memory models, stated so they 
   embeddings and expert parallelism t for the routed experts; engines are replicated (DP) to use
   all GPUs. Weights take their serving format; what is left of `gpu_memory_utilization` holds KV.
 - Training (Megatron-Core): TP t and PP p shard the dense part, EP e and PP p the experts
-  (expert TP 1); the distributed optimizer shards FP32 master weights and Adam moments (12 B/param)
+  (expert TP 1, `BeamModelProvider.expert_tensor_parallel_size`'s default: every expert whole on
+  its EP rank, so expert memory divides by e p, not t e p; Megatron needs N divisible by e p);
+  the distributed optimizer shards FP32 master weights and Adam moments (12 B/param)
   over the data-parallel ranks of each part (dense DP = N/(t p), expert DP = N/(e p)).
   Per-parameter bytes besides those: BF16 full fine-tuning 2 (BF16 weight) + 4 (FP32 grad);
   MXFP8 the same plus 1.03 (MXFP8 weight copy with E8M0 scales per 32); LoRA 2 (frozen BF16 base,

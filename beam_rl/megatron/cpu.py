@@ -16,7 +16,8 @@ replaces exactly one of them, only when CUDA is unavailable, and is idempotent
 Multi-rank worlds (tensor / sequence / expert parallelism over gloo, one process per rank with
 RANK / WORLD_SIZE / LOCAL_RANK set) need nothing more: torch 2.13's gloo implements the
 all_gather_into_tensor / reduce_scatter_tensor that Megatron's TP, SP and allgather-dispatcher
-paths call (tests/test_megatron_parallel.py runs TP2, TP2 + SP and EP2 on 2 CPU processes).
+paths call (tests/test_megatron_parallel.py runs TP2 and TP2 + SP with expert TP 1, TP2 with
+expert TP 2, and EP2 on 2 CPU processes, re-initialising the model-parallel state between them).
 
 Not patched because Beam's provider avoids them: rotary embeddings (Beam computes its own FP32
 RoPE tables, `position_embedding_type="none"`), the alltoall token dispatcher's CUDA stream (the
@@ -75,12 +76,16 @@ def _free_port() -> int:
 
 
 def init_single_process(
-    *, tensor_parallel: int = 1, expert_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234
+    *, tensor_parallel: int = 1, expert_parallel: int = 1, expert_tensor_parallel: int = 1,
+    pipeline_parallel: int = 1, seed: int = 1234,
 ) -> None:
     """Initialise a one-rank torch.distributed world (gloo on CPU, nccl on CUDA) and Megatron's
     model-parallel state; idempotent. Sizes other than 1 need more ranks: start one process per
     rank (torchrun, or torch.multiprocessing.spawn) with RANK / WORLD_SIZE / LOCAL_RANK (and
-    MASTER_ADDR / MASTER_PORT) set."""
+    MASTER_ADDR / MASTER_PORT) set. `expert_tensor_parallel` is Megatron's expert TP size; 1 (whole
+    experts on every rank, as `BeamModelProvider.expert_tensor_parallel_size` defaults to) unlike
+    Megatron's default of the TP size. To change sizes in a live world, call
+    `parallel_state.destroy_model_parallel()` first."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -99,5 +104,6 @@ def init_single_process(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
             expert_model_parallel_size=expert_parallel,
+            expert_tensor_parallel_size=expert_tensor_parallel,
         )
         model_parallel_cuda_manual_seed(seed)

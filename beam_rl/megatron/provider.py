@@ -31,6 +31,16 @@ class BeamModelProvider:
     mxfp8-te (Transformer Engine, compute capability >= 10 only)."""
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int = 1
+    """TP size of the routed experts (Megatron's ETP; must equal the world's, see
+    `cpu.init_single_process`). 1 keeps every expert whole on each rank, for two reasons:
+    (1) Beam rounds each GEMM once from an FP32 accumulation, and a whole expert does exactly that,
+    whereas ETP > 1 splits the down projection into partial products that Megatron reduces
+    (reduce-scatter in the dispatcher) only after the gate-weight multiply, so the expert output is
+    never rounded where Beam rounds it (on beam-tiny TP2 BF16 with replay, ETP = TP moved log-probs
+    by a mean 8.5e-3 from the one-rank model; see docs/results.md); (2) it is the usual layout for
+    large MoE training: experts are spread by expert parallelism, TP shards only attention / dense
+    MLP / embeddings, and expert GEMMs stay large. Megatron's own default (None) is ETP = TP."""
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     attention_dtype: str = "fp32"
@@ -109,6 +119,7 @@ class BeamModelProvider:
             moe_enable_routing_replay=self.routing_replay,
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             sequence_parallel=self.sequence_parallel,
             params_dtype=self.params_dtype,
@@ -138,6 +149,17 @@ class BeamModelProvider:
         from megatron.core import parallel_state
 
         config = self.transformer_config()
+        if parallel_state.model_parallel_is_initialized():
+            # The expert linears take their shapes from the world's expert-TP group, not from the
+            # config: a mismatch would build (and load) a different layout than the one asked for.
+            world = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_expert_tensor_parallel_world_size())
+            if world != (config.tensor_model_parallel_size, config.expert_tensor_parallel_size):
+                raise ValueError(
+                    f"BeamModelProvider(tensor_model_parallel_size={config.tensor_model_parallel_size}, "
+                    f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}) but the model-parallel world has "
+                    f"TP {world[0]}, expert TP {world[1]}; initialise it with the same sizes "
+                    f"(init_single_process(tensor_parallel=..., expert_tensor_parallel=...))"
+                )
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
         if post_process is None:
