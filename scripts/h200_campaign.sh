@@ -4,6 +4,7 @@
 #
 #     bash scripts/h200_campaign.sh "bench_rollout dapo" "megatron bench_train gap"
 #
+# Everything under $OUT is packed into $OUT/results.tgz at the end (PACK=0 keeps the files).
 # Each argument is a lane: its stages run in order on GPU <lane index> (CUDA_VISIBLE_DEVICES);
 # with fewer GPUs than lanes the lanes run one after another. Every stage runs under a timeout
 # that ends before the call's own limit ($BUDGET seconds from the start, default 570) and records
@@ -81,3 +82,7 @@ cp "$WORK/mini-h200/metrics.jsonl" "$OUT/dapo_metrics.jsonl" 2>/dev/null  # also
 
 echo "== status =="; cat "$OUT/status"
 for f in "$OUT"/*.log; do echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n 25; done
+# The device tool returns only a few files per call: pack everything into one archive.
+if [ "${PACK:-1}" = 1 ]; then
+  tar czf "$WORK/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$WORK/results.tgz" "$OUT/results.tgz"
+fi
