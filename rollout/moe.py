@@ -9,6 +9,9 @@ Routing is computed by `beam_rl.routing` (the reference; identical ids by constr
 - On CPU the experts are `CPUExperts`: the reference's arithmetic (BF16 GEMMs per expert, FP32
   SwiGLU, FP32 combine), bit-identical to `beam_rl.modeling`. vLLM's CPU fused-MoE kernel rounds
   differently and pre-packs its weights only at first load, which breaks in-place weight reload.
+  With `enable_expert_parallel=True` each rank holds only its contiguous slice of the experts
+  (FusedMoE's linear placement) and the FP32 partial combines are all-reduced before the one
+  rounding (see `CPUExperts`).
 `RoutingRecorder` captures ids for runners without vLLM's capturer (vLLM's CPU runner).
 """
 
@@ -25,6 +28,47 @@ from beam_rl.config import BeamConfig
 from beam_rl.rollout import ops
 from beam_rl.rollout.capture import RoutingRecorder
 from beam_rl.rollout.compat import make_fused_moe
+
+
+def expert_parallel_layout() -> tuple[int, int]:
+    """(ep_size, ep_rank) of this rank, derived as vLLM's FusedMoE does
+    (`FusedMoEParallelConfig.make`, identical in vLLM 0.26 and 0.32): expert parallelism is on when
+    the engine's parallel config enables it and there is more than one TP x PCP x DP rank; the EP
+    rank is then the TP rank flattened across DP and PCP, and the EP group (`get_ep_group()`)
+    spans exactly those ranks. (1, 0) without expert parallelism."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import get_dp_group, get_pcp_group, get_tensor_model_parallel_rank
+
+    pc = get_current_vllm_config().parallel_config
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    pcp = getattr(pc, "prefill_context_parallel_size", 1)
+    if not (pc.enable_expert_parallel and tp * dp * pcp > 1):
+        return 1, 0
+    tp_rank = get_tensor_model_parallel_rank() if tp > 1 else 0
+    dp_rank = get_dp_group().rank_in_group if dp > 1 else 0
+    pcp_rank = get_pcp_group().rank_in_group if pcp > 1 else 0
+    return dp * pcp * tp, dp_rank * pcp * tp + pcp_rank * tp + tp_rank
+
+
+def _check_cpu_expert_parallel(ep_rank: int) -> None:
+    """What `CPUExperts` supports with EP: TP x EP only (every rank sees the same tokens, so an
+    all-reduce of the partial sums suffices; DP / PCP would need FusedMoE's token dispatch), linear
+    placement, no EPLB."""
+    from vllm.config import get_current_vllm_config
+
+    pc = get_current_vllm_config().parallel_config
+    if pc.data_parallel_size * getattr(pc, "prefill_context_parallel_size", 1) > 1:
+        raise NotImplementedError("beam_rl.rollout on CPU: expert parallelism needs data_parallel_size=1 and "
+                                  "prefill_context_parallel_size=1 (experts are sharded over the TP ranks only)")
+    if getattr(pc, "enable_eplb", False):
+        raise NotImplementedError("beam_rl.rollout on CPU: expert parallelism without EPLB only")
+    if getattr(pc, "expert_placement_strategy", "linear") != "linear":
+        raise NotImplementedError(f"beam_rl.rollout on CPU: expert_placement_strategy='linear' only, "
+                                  f"not {pc.expert_placement_strategy!r}")
+    from vllm.distributed import get_ep_group
+
+    if get_ep_group().rank_in_group != ep_rank:  # the all-reduce group must be the one we sharded over
+        raise RuntimeError(f"EP group rank {get_ep_group().rank_in_group} != FusedMoE's EP rank {ep_rank}")
 
 
 class BeamDenseMLP(nn.Module):
@@ -57,30 +101,61 @@ class BeamRouterGate(nn.Module):
 
 
 class CPUExperts(nn.Module):
-    """Routed experts computed like the reference: w13 [E, 2F, hidden] (gate rows, then up rows),
-    w2 [E, hidden, F], loaded from the released per-expert names. Loading goes through each
-    parameter's `weight_loader`, so vLLM's in-place `reload_weights` can track and replay it."""
+    """Routed experts computed like the reference: w13 [E_local, 2F, hidden] (gate rows, then up
+    rows), w2 [E_local, hidden, F], loaded from the released per-expert names. Loading goes through
+    each parameter's `weight_loader`, so vLLM's in-place `reload_weights` can track and replay it.
+
+    Numerics: each expert's GEMMs in the model dtype (BF16 outputs, FP32 SwiGLU), then
+    sum_k weight[t, k] * expert_out[t, k] with FP32 products and FP32 sums, rounded once to the
+    model dtype (`numerics.moe_combine`).
+    - Without expert parallelism (`ep_size == 1`) every rank holds all E experts and computes
+      exactly the reference's arithmetic (`beam_rl::cpu_experts`): bit-identical to
+      `beam_rl.modeling`, as before.
+    - With `enable_expert_parallel=True` (TP x EP; see `expert_parallel_layout`) rank r holds the
+      contiguous experts [r * E / ep_size, (r + 1) * E / ep_size) (FusedMoE's linear placement;
+      any remainder goes to the first ranks), the weight loader skips the others, and forward
+      computes the FP32 weighted sum of its local experts' outputs for every token
+      (`beam_rl::cpu_experts_partial`; 0 where a token's experts are elsewhere), all-reduces it in
+      FP32 over the EP group and rounds once. The per-expert outputs and products are the
+      reference's; only the FP32 sum over k is reassociated (local partial sums, then the sum
+      across ranks), a last-bit FP32 difference before the single rounding.
+    """
 
     def __init__(self, config: BeamConfig):
         super().__init__()
         E, F_, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.ffn = F_
-        self.w13_weight = nn.Parameter(torch.empty(E, 2 * F_, H), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(E, H, F_), requires_grad=False)
+        self.num_experts = E
+        self.ep_size, self.ep_rank = expert_parallel_layout()
+        if self.ep_size > 1:
+            _check_cpu_expert_parallel(self.ep_rank)
+            if self.ep_size > E:
+                raise ValueError(f"expert parallel size {self.ep_size} exceeds the {E} experts")
+        base, rem = divmod(E, self.ep_size)
+        self.num_local_experts = base + (1 if self.ep_rank < rem else 0)
+        self.first_expert = self.ep_rank * base + min(self.ep_rank, rem)
+        self.w13_weight = nn.Parameter(torch.empty(self.num_local_experts, 2 * F_, H), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(self.num_local_experts, H, F_), requires_grad=False)
         self.w13_weight.weight_loader = self._load_expert
         self.w2_weight.weight_loader = self._load_expert
 
     def _load_expert(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, proj: str) -> None:
+        local = expert_id - self.first_expert
+        if not 0 <= local < self.num_local_experts:
+            return  # another EP rank's expert (copies nothing, so layerwise reload counts nothing)
         rows = {"gate_proj": slice(0, self.ffn), "up_proj": slice(self.ffn, 2 * self.ffn), "down_proj": slice(None)}
-        param.data[expert_id, rows[proj]].copy_(loaded_weight)
+        param.data[local, rows[proj]].copy_(loaded_weight)
 
     def load_weights(self, weights):
-        """Names relative to `mlp.experts`: `{e}.{gate,up,down}_proj.weight`."""
+        """Names relative to `mlp.experts`: `{e}.{gate,up,down}_proj.weight` (all E experts; each
+        rank keeps its own)."""
         loaded = set()
         for name, tensor in weights:
             expert, proj, _ = name.split(".", 2)
             if proj not in ("gate_proj", "up_proj", "down_proj"):
                 raise KeyError(f"unexpected expert tensor mlp.experts.{name}")
+            if not 0 <= int(expert) < self.num_experts:
+                raise KeyError(f"expert {expert} out of range (E={self.num_experts}): mlp.experts.{name}")
             param_name = "w2_weight" if proj == "down_proj" else "w13_weight"
             param = getattr(self, param_name)  # looked up each time: reloading swaps the objects
             param.weight_loader(param, tensor, int(expert), proj)
@@ -88,26 +163,59 @@ class CPUExperts(nn.Module):
         return loaded
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return _cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        if self.ep_size == 1:
+            return _cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+        from vllm.distributed import get_ep_group
+
+        partial = _cpu_experts_partial(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert)
+        return get_ep_group().all_reduce(partial).to(x.dtype)
+
+
+def _expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+    """(T, top_k, hidden) outputs of the experts in [first, first + w13.shape[0]) in x's dtype, 0
+    in the slots routed elsewhere: the reference's per-expert loop."""
+    ffn = w2.shape[2]
+    expert_out = x.new_zeros(x.shape[0], ids.shape[1], x.shape[1])  # (T, top_k, hidden)
+    for e in ids.unique().tolist():
+        local = e - first
+        if not 0 <= local < w13.shape[0]:
+            continue
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[token]
+        gate = F.linear(xe, w13[local, :ffn])
+        up = F.linear(xe, w13[local, ffn:])
+        expert_out[token, slot] = F.linear(numerics.silu_and_mul(gate, up), w2[local])
+    return expert_out
 
 
 @torch.library.custom_op("beam_rl::cpu_experts", mutates_args=())
 def _cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The reference's expert loop (a custom op: its data-dependent loop stays out of torch.compile)."""
-    ffn = w2.shape[2]
-    expert_out = x.new_zeros(x.shape[0], ids.shape[1], x.shape[1])  # (T, top_k, hidden)
-    for e in ids.unique().tolist():
-        token, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[token]
-        gate = F.linear(xe, w13[e, :ffn])
-        up = F.linear(xe, w13[e, ffn:])
-        expert_out[token, slot] = F.linear(numerics.silu_and_mul(gate, up), w2[e])
-    return numerics.moe_combine(expert_out, weights)
+    """The reference's expert loop and combine (a custom op: its data-dependent loop stays out of
+    torch.compile)."""
+    return numerics.moe_combine(_expert_outputs(x, w13, w2, ids, 0), weights)
 
 
 @_cpu_experts.register_fake
 def _(x, w13, w2, weights, ids):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("beam_rl::cpu_experts_partial", mutates_args=())
+def _cpu_experts_partial(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                         ids: torch.Tensor, first_expert: int) -> torch.Tensor:
+    """This EP rank's share of the combine, NOT rounded: FP32 [T, hidden] sum over k (in k order)
+    of weights[t, k] * expert_out[t, k] for the local experts, `numerics.moe_combine`'s loop
+    without its final rounding (non-local slots are 0 and add exactly nothing)."""
+    expert_out = _expert_outputs(x, w13, w2, ids, first_expert)
+    acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for j in range(expert_out.shape[1]):
+        acc += weights[:, j, None].float() * expert_out[:, j].float()
+    return acc
+
+
+@_cpu_experts_partial.register_fake
+def _(x, w13, w2, weights, ids, first_expert):
+    return x.new_empty(x.shape, dtype=torch.float32)
 
 
 class BeamMoE(nn.Module):
