@@ -8,7 +8,8 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
   position; `beam_pop_routed_experts` returns, per finished request, the same array vLLM puts in
   `CompletionOutput.routed_experts`.
 - Weights: `beam_reload_weights` reloads a checkpoint in place and returns the checksum of every
-  tensor as received (HF names), so the sender can verify the sync tensor by tensor.
+  tensor as received (HF names), so the sender can verify the sync tensor by tensor;
+  `beam_expert_layout` says which experts this rank holds (CPU experts, expert parallelism).
 """
 
 from __future__ import annotations
@@ -69,3 +70,13 @@ class BeamWorkerExtension:
             return dict(model.received_checksums)
         finally:
             model.received_checksums = None
+
+    def beam_expert_layout(self) -> dict[int, tuple[int, int, int, int, str, str]]:
+        """Per MoE layer of this rank's CPU experts: (ep_rank, ep_size, first expert, number of local
+        experts, checksum of w13, checksum of w2), for checking expert-parallel placement and loading."""
+        from beam_rl.rollout.moe import CPUExperts
+        from beam_rl.weights import tensor_checksum
+
+        return {int(name.split(".")[2]): (m.ep_rank, m.ep_size, m.first_expert, m.num_local_experts,
+                                          tensor_checksum(m.w13_weight), tensor_checksum(m.w2_weight))
+                for name, m in self._beam_model().named_modules() if isinstance(m, CPUExperts)}

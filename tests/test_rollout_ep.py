@@ -39,26 +39,9 @@ def expected_expert_slices(ckpt, config, ep_size):
     return out
 
 
-def rank_expert_layout(llm):
-    """Per rank: {layer: (ep_rank, ep_size, first_expert, num_local_experts, w13 checksum, w2 checksum)}."""
-
-    def layout(worker):  # runs in each worker (a local function: cloudpickled by value)
-        from beam_rl.rollout.moe import CPUExperts
-        from beam_rl.weights import tensor_checksum
-
-        runner = worker.model_runner
-        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
-        return {int(name.split(".")[2]): (m.ep_rank, m.ep_size, m.first_expert, m.num_local_experts,
-                                          tensor_checksum(m.w13_weight), tensor_checksum(m.w2_weight))
-                for name, m in model.named_modules() if isinstance(m, CPUExperts)}
-
-    return llm.collective_rpc(layout)
-
-
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="expert parallelism 2 needs 2 CPU cores")
 def test_expert_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a callable
     ref = build_model(tiny_config, seed=7, dtype=torch.float32)
     ckpt = save_checkpoint(ref, tmp_path / "ckpt")
     other_ref = build_model(tiny_config, seed=8, dtype=torch.float32)
@@ -71,7 +54,7 @@ def test_expert_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
 
         def check_layout(path):
             want = expected_expert_slices(path, tiny_config, 2)
-            for rank, layers in enumerate(rank_expert_layout(llm)):
+            for rank, layers in enumerate(llm.collective_rpc("beam_expert_layout")):
                 assert sorted(layers) == sparse
                 for i, (ep_rank, ep_size, first, n, w13, w2) in layers.items():
                     assert (ep_rank, ep_size, first, n) == (rank, 2, rank * E // 2, E // 2)  # half the experts
