@@ -16,6 +16,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelL
 
 from beam_rl.config import BeamConfig
 from beam_rl.rollout import ops
+from beam_rl.rollout.linear import lora_enabled, reduce_in_fp32, round_like
 
 
 class BeamAttention(nn.Module):
@@ -49,6 +50,7 @@ class BeamAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=False,
             quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
+        reduce_in_fp32(self.o_proj, lora_enabled=lora_enabled())
         self.q_norm = ops.NormWeight(self.head_dim)  # one weight shared by all heads
         self.k_norm = ops.NormWeight(self.head_dim)
         self.positional = ops.rope_tables(config) if self.is_sliding else ops.ssmax_table(config)
@@ -78,4 +80,4 @@ class BeamAttention(nn.Module):
             attn.view(T, self.num_heads, self.head_dim), gate.view(T, self.num_heads, self.head_dim), self.gate_bias
         )
         out, _ = self.o_proj(gated.reshape(T, self.q_size))
-        return out
+        return round_like(out, x)

