@@ -135,26 +135,49 @@ def attention(
     result does not depend on how queries are batched (with or without a KV cache); engines use
     FP32-accumulating flash attention, a documented source of difference.
     """
+    probs = torch.softmax(attention_scores(q, k, q_positions, k_positions, sliding_window), dim=-1)
+    return attention_values(probs, v)
+
+
+def attention_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    sliding_window: int | None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """`attention`'s scaled scores [H, Tq, Tk] in `dtype` (KV heads repeated for GQA), -inf where a
+    key is not visible (causal, sliding window)."""
     groups = q.shape[1] // k.shape[1]
-    kf = k.double().repeat_interleave(groups, dim=1)  # (Tk, H, D)
-    vf = v.double().repeat_interleave(groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kf) / math.sqrt(q.shape[-1])  # (H, Tq, Tk)
+    kf = k.to(dtype).repeat_interleave(groups, dim=1)  # (Tk, H, D)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), kf) / math.sqrt(q.shape[-1])  # (H, Tq, Tk)
     dist = q_positions[:, None] - k_positions[None, :]  # (Tq, Tk)
     visible = dist >= 0
     if sliding_window is not None:
         visible &= dist < sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+    return scores.masked_fill(~visible, float("-inf"))
 
 
-def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def attention_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """probs [H, Tq, Tk] @ v [Tk, KV, D] -> [Tq, H, D] in probs' dtype, rounded once to v's dtype."""
+    vf = v.to(probs.dtype).repeat_interleave(probs.shape[0] // v.shape[1], dim=1)
+    return torch.einsum("hqk,khd->qhd", probs, vf).to(v.dtype)
+
+
+def moe_combine_fp32(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * expert_out[t, k] for expert_out [T, K, H] and FP32 weights [T, K]:
-    products and the sum (in k order) in FP32, rounded once."""
+    products and the sum (in k order) in FP32, NOT rounded (expert-parallel ranks add their
+    partial sums before the one rounding)."""
     acc = torch.zeros(expert_out.shape[0], expert_out.shape[2], dtype=torch.float32, device=expert_out.device)
     for j in range(expert_out.shape[1]):
         acc += weights[:, j, None].float() * expert_out[:, j].float()
-    return acc.to(expert_out.dtype)
+    return acc
+
+
+def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`moe_combine_fp32` rounded once to the experts' dtype."""
+    return moe_combine_fp32(expert_out, weights).to(expert_out.dtype)
 
 
 def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, cap: float | None) -> torch.Tensor:

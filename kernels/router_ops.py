@@ -9,8 +9,7 @@ GEMMs that sum in different orders (this kernel's split-K, cuBLAS's blocking) gi
 in the last bits, which flips near-tied expert choices, and the whole sequence follows. An FP64
 accumulation rounded once is order independent in practice (below), so every engine that computes
 the logits this way agrees: this kernel, `routing.router_logits` (the trainer's router) on any
-device. (A build that computes FP32 logits with cuBLAS, like `rollout/ops.route` with
-BEAM_RL_FUSED_KERNELS=0 on CUDA, still differs from both.)
+device, and so `rollout/ops.route` without the fused kernels (BEAM_RL_FUSED_KERNELS=0).
 
 Why FP64 accumulation is (almost) order independent: a product of a BF16 (8-bit significand) or any
 format up to FP32 (24 bits) and an FP32 value has at most 48 significant bits, so every x_k * w_k is

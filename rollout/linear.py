@@ -45,13 +45,11 @@ def lora_enabled() -> bool:
     return get_current_vllm_config().lora_config is not None
 
 
-def reduce_in_fp32(layer: RowParallelLinear, *, lora_enabled: bool) -> bool:
-    """Switch `layer` to FP32 partials when it needs it (TP > 1, unquantised, no LoRA); returns
-    whether its output is now FP32 (round it with `round_like`)."""
-    if layer.tp_size == 1 or lora_enabled or type(layer.quant_method) is not UnquantizedLinearMethod:
-        return False
-    layer.quant_method = FP32PartialLinearMethod()
-    return True
+def reduce_in_fp32(layer: RowParallelLinear, *, lora_enabled: bool) -> None:
+    """Switch `layer` to FP32 partials when it needs it (TP > 1, unquantised, no LoRA); its output
+    is then FP32, so callers always round it with `round_like`."""
+    if layer.tp_size > 1 and not lora_enabled and type(layer.quant_method) is UnquantizedLinearMethod:
+        layer.quant_method = FP32PartialLinearMethod()
 
 
 def round_like(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

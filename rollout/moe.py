@@ -205,14 +205,9 @@ def _(x, w13, w2, weights, ids):
 @torch.library.custom_op("beam_rl::cpu_experts_partial", mutates_args=())
 def _cpu_experts_partial(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                          ids: torch.Tensor, first_expert: int) -> torch.Tensor:
-    """This EP rank's share of the combine, NOT rounded: FP32 [T, hidden] sum over k (in k order)
-    of weights[t, k] * expert_out[t, k] for the local experts, `numerics.moe_combine`'s loop
-    without its final rounding (non-local slots are 0 and add exactly nothing)."""
-    expert_out = _expert_outputs(x, w13, w2, ids, first_expert)
-    acc = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    for j in range(expert_out.shape[1]):
-        acc += weights[:, j, None].float() * expert_out[:, j].float()
-    return acc
+    """This EP rank's share of the combine, NOT rounded: `numerics.moe_combine_fp32` over the local
+    experts (non-local slots are 0 and add exactly nothing)."""
+    return numerics.moe_combine_fp32(_expert_outputs(x, w13, w2, ids, first_expert), weights)
 
 
 @_cpu_experts_partial.register_fake

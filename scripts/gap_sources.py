@@ -27,22 +27,13 @@ from pathlib import Path
 
 def _attention_bf16_probs(q, k, v, q_positions, k_positions, sliding_window):
     """numerics.attention with P = exp(s - rowmax) rounded to BF16 before P.V (flash attention)."""
-    import math
-
     import torch
 
-    groups = q.shape[1] // k.shape[1]
-    kf = k.double().repeat_interleave(groups, dim=1)
-    vf = v.double().repeat_interleave(groups, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), kf) / math.sqrt(q.shape[-1])
-    dist = q_positions[:, None] - k_positions[None, :]
-    visible = dist >= 0
-    if sliding_window is not None:
-        visible &= dist < sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
+    from beam_rl import numerics
+
+    scores = numerics.attention_scores(q, k, q_positions, k_positions, sliding_window)
     p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    out = torch.einsum("hqk,khd->qhd", p.to(torch.bfloat16).double(), vf) / p.sum(-1).transpose(0, 1)[..., None]
-    return out.to(q.dtype)
+    return numerics.attention_values(p.to(torch.bfloat16).double() / p.sum(-1, keepdim=True), v)
 
 
 def _moe_combine_bf16_terms(expert_out, weights):

@@ -52,15 +52,15 @@ def test_expert_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
     try:
         E, sparse = tiny_config.num_experts, [i for i, k in enumerate(tiny_config.mlp_layer_types) if k == "sparse"]
 
-        def check_layout(path):
+        def check_layout(engine, path):
             want = expected_expert_slices(path, tiny_config, 2)
-            for rank, layers in enumerate(llm.collective_rpc("beam_expert_layout")):
+            for rank, layers in enumerate(engine.collective_rpc("beam_expert_layout")):
                 assert sorted(layers) == sparse
                 for i, (ep_rank, ep_size, first, n, w13, w2) in layers.items():
                     assert (ep_rank, ep_size, first, n) == (rank, 2, rank * E // 2, E // 2)  # half the experts
                     assert (w13, w2) == want[i, rank]  # exactly this rank's experts, bit for bit
 
-        check_layout(ckpt)
+        check_layout(llm, ckpt)
         llm.collective_rpc("beam_start_routing_capture")
         ps = prompts(n=3, seed=5)
         outs, routed = greedy(llm, ps, max_tokens=64)
@@ -75,7 +75,7 @@ def test_expert_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
 
         # In-place reload: every rank refills exactly its own experts from the new checkpoint.
         llm.collective_rpc("beam_reload_weights", args=(str(other),))
-        check_layout(other)
+        check_layout(llm, other)
         outs, _ = greedy(llm, ps[:1], max_tokens=16)
         assert list(outs[0].outputs[0].token_ids) == other_ref.greedy_generate(torch.tensor([ps[0]]), 16)[0].tolist()
     finally:

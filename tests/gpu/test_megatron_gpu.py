@@ -1,8 +1,6 @@
 """Megatron Beam on one GPU (beam-mini): parity with the reference under R3, every mode builds,
 trains one step. Skips cleanly without CUDA or megatron-core."""
 
-import math
-
 import pytest
 import torch
 
@@ -48,13 +46,10 @@ def _logprobs(logits, ids):
 
 def _fp32_attention(q, k, v, q_positions, k_positions, sliding_window):
     """numerics.attention accumulated in FP32 instead of FP64 (a last-bit perturbation)."""
-    groups = q.shape[1] // k.shape[1]
-    kf, vf = (t.float().repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(q.shape[-1])
-    dist = q_positions[:, None] - k_positions[None, :]
-    visible = (dist >= 0) if sliding_window is None else (dist >= 0) & (dist < sliding_window)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
+    from beam_rl import numerics
+
+    scores = numerics.attention_scores(q, k, q_positions, k_positions, sliding_window, dtype=torch.float32)
+    return numerics.attention_values(torch.softmax(scores, dim=-1), v)
 
 
 @pytest.fixture(scope="module")
