@@ -8,7 +8,7 @@
 # (an installed wheel; running from the repository root would shadow the installed package with
 # the source tree, where `beam_rl.rollout` does not exist, so this script runs from $WORK).
 #     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0
-#     bash scripts/gap_h200.sh                   # OUT=runs/gap_h200 MODES="bf16 lora mxfp8" SOURCES=1
+#     bash scripts/gap_h200.sh                   # OUT=runs/gap_h200 MODES="bf16 lora mxfp8" SOURCES=1 [CKPT=dir PROMPTS=file]
 # Results: $OUT/{bf16,lora,mxfp8}.json and .png, $OUT/sources.json, $OUT/summary.md.
 #
 # Bars (issue 6): R3 on mean |delta| <= 0.005 for bf16 and lora, <= 0.015 for mxfp8.
@@ -26,7 +26,9 @@ python3 -c "import beam_rl.rollout, importlib.metadata as m; assert any(e.name =
 python3 -c "import torch, vllm, megatron.core; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
 [ -f "$CKPT/config.json" ] || python3 -m beam_rl.cli init --preset beam-mini --seed 0 --out "$CKPT"
 
-COMMON=(--checkpoint "$CKPT" --seed 0 --num-prompts 64 --min-prompt-len 32 --max-prompt-len 256 --max-tokens 512)
+# PROMPTS=FILE: a JSON list of token-id lists (e.g. scripts/pretrain_bytes.py --prompts-out) instead of the seeded set
+if [ -n "${PROMPTS:-}" ]; then PROMPT_ARGS=(--prompts "$PROMPTS"); else PROMPT_ARGS=(--num-prompts 64 --min-prompt-len 32 --max-prompt-len 256); fi
+COMMON=(--checkpoint "$CKPT" --seed 0 "${PROMPT_ARGS[@]}" --max-tokens 512)
 for mode in $MODES; do
   echo "== beam-mini gap, mode $mode ==" >&2
   python3 -m beam_rl.cli gap "${COMMON[@]}" --mode "$mode" --micro-batch 8 --gpu-memory-utilization 0.4 \

@@ -22,6 +22,8 @@
 #   bench_rollout  scripts/bench_rollout.py: fused / compiled / eager builds, CUDA graphs
 #   bench_kernels  scripts/bench_kernels.py (all kernels)
 #   gap            scripts/gap_h200.sh (bf16, lora, mxfp8; then gap_sources.py)
+#   gap_trained    scripts/pretrain_bytes.py (beam-mini as a byte LM on the stdlib, $PRETRAIN_S s), then
+#                  gap_h200.sh on that checkpoint with held-out prompts (MODES, default "bf16 lora")
 #   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps)
 #   tp2            scripts/gpu_rollout_check.py --tensor-parallel 2 (needs 2 GPUs; run it alone)
 set -uo pipefail
@@ -46,11 +48,12 @@ checkpoint() {  # one writer; other lanes wait for it
 stage_cmd() {
   case "$1" in
     megatron) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_megatron_gpu.py" ;;
-    kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py" ;;
+    kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py ${KERNELS_ARGS:-}" ;;
     bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes bf16 lora mxfp8-emulated" ;;
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs" ;;
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
+    gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' WORK=$WORK SOURCES=0 bash $REPO/scripts/gap_h200.sh" ;;
     dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
     *) echo "echo unknown stage $1; exit 2" ;;
