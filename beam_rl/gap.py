@@ -192,12 +192,14 @@ def build_trainer(checkpoint: str, config: BeamConfig, opts: GapOptions):
     import torch
 
     from beam_rl.checkpoint import read_tensors
+    from beam_rl.megatron.attention import trainer_attention_dtype
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.provider import BeamModelProvider
 
     init_single_process(seed=opts.seed)
     mode = MODES[opts.mode]
-    model = BeamModelProvider(config, mode=mode.provider_mode).provide_loaded(dict(read_tensors(checkpoint, config))).eval()
+    model = BeamModelProvider(config, mode=mode.provider_mode, attention_dtype=trainer_attention_dtype()).provide_loaded(
+        dict(read_tensors(checkpoint, config))).eval()
     if mode.lora:
         from beam_rl.megatron.lora import add_lora
 
@@ -351,7 +353,8 @@ def run_gap(opts: GapOptions, *, llm=None) -> dict:
             model = build_trainer(checkpoint, config, opts)
         report: dict = {"mode": opts.mode, "bound": mode.bound, "checkpoint": opts.checkpoint or f"preset:{opts.preset}",
                         "num_sequences": len(batch), "max_tokens": opts.max_tokens,
-                        "prompt_tokens": int(sum(len(s.prompt_ids) for s in batch.samples))}
+                        "prompt_tokens": int(sum(len(s.prompt_ids) for s in batch.samples)),
+                        "trainer_attention_dtype": next(m.attention_dtype for m in model.modules() if hasattr(m, "attention_dtype"))}
         raw: dict = {}
         for key, replay in (("r3_on", True), ("r3_off", False)):
             deltas, differ, pairs = recompute(model, batch, replay=replay, micro_batch=opts.micro_batch,

@@ -12,6 +12,7 @@ weights come from this model's own router scores.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +85,7 @@ class BeamAttention(nn.Module):
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.q_norm = BeamRMSNorm(self.head_dim, self.eps)  # one weight shared by all heads
         self.k_norm = BeamRMSNorm(self.head_dim, self.eps)
+        self.attention_probs = "exact"  # numerics.attention's probs=; BeamForCausalLM.attention_probs() sets it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: BeamKVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -106,7 +108,8 @@ class BeamAttention(nn.Module):
         kv = LayerKV(k, v, positions) if cache is None else cache.update(self.layer_idx, k, v, positions)
         attn = torch.stack(
             [
-                numerics.attention(q[b], kv.k[b], kv.v[b], positions[b], kv.positions[b], self.sliding_window)
+                numerics.attention(q[b], kv.k[b], kv.v[b], positions[b], kv.positions[b], self.sliding_window,
+                                   self.attention_probs)
                 for b in range(B)
             ]
         )  # (B, T, H, D)
@@ -274,6 +277,22 @@ class BeamForCausalLM(BeamPreTrainedModel):
         super().__init__(config)
         self.model = BeamModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @contextlib.contextmanager
+    def attention_probs(self, probs: str):
+        """Within the block, every layer's attention uses `numerics.attention(..., probs=probs)`
+        ("bf16": as the rollout engine of `numerics.engine_attention_probs` computes it); the spec
+        ("exact") again afterwards."""
+        if probs not in numerics.ATTENTION_PROBS:
+            raise ValueError(f"attention probs={probs!r}; choose from {numerics.ATTENTION_PROBS}")
+        layers = [m for m in self.modules() if isinstance(m, BeamAttention)]
+        for m in layers:
+            m.attention_probs = probs
+        try:
+            yield self
+        finally:
+            for m in layers:
+                m.attention_probs = "exact"
 
     @classmethod
     def from_pretrained(cls, path, *args, dtype: torch.dtype = torch.bfloat16, device="cpu", **kwargs):

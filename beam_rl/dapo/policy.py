@@ -73,6 +73,7 @@ class Policy:
     """The Megatron Beam model being trained, with R3 log-probs and the DAPO update."""
 
     def __init__(self, config: BeamConfig, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False):
+        from beam_rl.megatron.attention import trainer_attention_dtype
         from beam_rl.megatron.cpu import init_single_process
         from beam_rl.megatron.provider import BeamModelProvider
 
@@ -80,7 +81,9 @@ class Policy:
             raise ValueError(f"train.mode={mode!r}; choose from {sorted(MODES)}")
         init_single_process()
         self.config, self.mode = config, MODES[mode]
-        self.model = BeamModelProvider(config, mode=self.mode.provider_mode, recompute=recompute).provide_loaded(hf_tensors).train()
+        # attention defined as this machine's rollout computes it (numerics.engine_attention_probs)
+        self.model = BeamModelProvider(config, mode=self.mode.provider_mode, recompute=recompute,
+                                       attention_dtype=trainer_attention_dtype()).provide_loaded(hf_tensors).train()
         self.optimizer: MasterAdamW | None = None
         self.lora_settings: tuple[int, float] | None = None
 

@@ -8,8 +8,11 @@ sigmoid output gate with a bias (its own projection; Megatron's `attention_outpu
 Numerics (beam_rl.numerics): Q/K norm rounded after the weight multiply, RoPE (neox) or SSMax in
 FP32 rounded once (`qk_norm_rope_ssmax`, FP32 tables from `rope_cos_sin_cache` /
 `ssmax_scale_cache`); attention scores, softmax and the weighted sum in FP32 (`attention_dtype=
-"fp32"`, the default; the reference uses FP64, a documented reduction-order difference) or BF16
-inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA); output rounded once;
+"fp32"`, the default; the reference uses FP64, a documented reduction-order difference), or BF16
+inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA, a speed option), or FP32
+scores with the probabilities rounded to BF16 before P.V (`"bf16-probs"`: `numerics.attention`
+probs="bf16", the rollout's definition where `numerics.engine_attention_probs` says so; explicit
+[s, s] scores, for log-prob recomputation rather than long-sequence speed); output rounded once;
 output gate g = round(gate + bias), s = round(sigmoid(g)), out = round(attn * s).
 
 Positions: Beam's GPT model passes the position ids [b, s] where Megatron passes `rotary_pos_emb`;
@@ -31,6 +34,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import is_layer_window_attention
 
 from beam_rl import numerics
+
+ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs")
+
+
+def trainer_attention_dtype() -> str:
+    """The `attention_dtype` that defines attention as this machine's vLLM rollout computes it
+    (`numerics.engine_attention_probs`)."""
+    return "bf16-probs" if numerics.engine_attention_probs() == "bf16" else "fp32"
 
 _TABLES: dict[tuple, torch.Tensor] = {}
 
@@ -73,8 +84,8 @@ class BeamSelfAttention(MegatronModule):
                 f"tensor_model_parallel_size={tp} must divide num_attention_heads={config.num_attention_heads} "
                 f"and num_query_groups={config.num_query_groups}; lower the TP size"
             )
-        if attention_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"attention_dtype must be 'fp32' or 'bf16', got {attention_dtype!r}")
+        if attention_dtype not in ATTENTION_DTYPES:
+            raise ValueError(f"attention_dtype must be one of {ATTENTION_DTYPES}, got {attention_dtype!r}")
         self.attention_dtype = attention_dtype
         self.heads = config.num_attention_heads // tp
         self.kv_heads = config.num_query_groups // tp
@@ -124,6 +135,10 @@ class BeamSelfAttention(MegatronModule):
         groups = self.heads // self.kv_heads
         if groups > 1:  # explicit GQA expansion: the memory-efficient SDPA kernel takes masks but not enable_gqa
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if self.attention_dtype == "bf16-probs":
+            scores = ((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)).masked_fill(~visible[:, None], float("-inf"))
+            e = torch.exp(scores - scores.amax(-1, keepdim=True))  # the max over visible keys: it sets where P rounds
+            return ((e.to(torch.bfloat16).float() @ v.float()) / e.sum(-1, keepdim=True)).to(dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=1.0 / math.sqrt(self.head_dim))
         return out.to(dtype)
 

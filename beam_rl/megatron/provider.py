@@ -44,7 +44,9 @@ class BeamModelProvider:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     attention_dtype: str = "fp32"
-    """'fp32': FP32 scores/softmax/PV (the contract, any device); 'bf16': BF16 inputs, FP32 accumulation."""
+    """'fp32': FP32 scores/softmax/PV (the contract, any device); 'bf16': BF16 inputs, FP32 accumulation;
+    'bf16-probs': probabilities rounded to BF16 before P.V, as the rollout's attention does where
+    `beam_rl.megatron.attention.trainer_attention_dtype()` returns it (BeamSelfAttention)."""
     recompute: bool = False
     """Full activation recompute of every layer (R3 replays during the recompute too)."""
     routing_replay: bool = True
