@@ -23,3 +23,21 @@ def check_version() -> None:
             f"{SUPPORTED[1][0]}.{SUPPORTED[1][1]}; this is {vllm.__version__}. vLLM >= 0.33 ships its own "
             "Beam: set BEAM_RL_VLLM_MODEL=upstream to use it."
         )
+
+
+def parameter_names(model, loaded: set[str]) -> set[str]:
+    """The parameter names `load_weights` reports, spelled as `model.named_parameters()` spells
+    them, so "which parameters did a load reach" can be answered by name. Two wrappers insert a
+    module between the name a loader reports and the parameter: vLLM 0.26's `MoERunner` returns
+    its `RoutedExperts`' names without their `routed_experts.` prefix (and vLLM's reload then warns
+    that the experts were not loaded, although they were), and LoRA-enabled layers keep the
+    original layer as `base_layer`."""
+    params = {n for n, _ in model.named_parameters()}  # not cached: LoRA wraps layers after the first load
+    out = set()
+    for name in loaded:
+        if name not in params:
+            head, _, tail = name.rpartition(".")
+            name = next((f"{head}.{wrapper}.{tail}" for wrapper in ("routed_experts", "base_layer")
+                         if f"{head}.{wrapper}.{tail}" in params), name)
+        out.add(name)
+    return out

@@ -26,6 +26,7 @@ from beam_rl.weights import tensor_checksum
 from beam_rl.rollout import ops
 from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
+from beam_rl.rollout.compat import parameter_names
 from beam_rl.rollout.moe import BeamDenseMLP, BeamMoE
 
 # HF checkpoint name -> (vLLM parameter, shard) for the stacked projections; experts are loaded by
@@ -120,6 +121,7 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
             raise NotImplementedError("beam_rl.rollout does not support pipeline parallelism; set pipeline_parallel_size=1")
         self.config = config
         self.received_checksums: dict[str, str] | None = None  # set by BeamWorkerExtension to verify a sync
+        self.loaded_names: set[str] | None = None  # likewise: which parameters the sync reached
         self.routing_recorder = RoutingRecorder(
             vllm_config.scheduler_config.max_num_batched_tokens, config.num_hidden_layers,
             config.num_experts_per_tok, config.num_experts,
@@ -146,7 +148,10 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self.received_checksums is not None:
             weights = self._checksummed(weights)
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded = parameter_names(self, AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper))
+        if self.loaded_names is not None:
+            self.loaded_names |= loaded
+        return loaded
 
     def _checksummed(self, weights):
         """Record `tensor_checksum` of every tensor as received (HF names), for sync verification."""

@@ -9,6 +9,8 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
   `CompletionOutput.routed_experts`.
 - Weights: `beam_reload_weights` reloads a checkpoint in place and returns the checksum of every
   tensor as received (HF names), so the sender can verify the sync tensor by tensor;
+  `beam_begin_weight_update` / `beam_end_weight_update` record the same around an update through
+  vLLM's weight-transfer API (NCCL, `beam_gloo`), plus which parameters nothing reached;
   `beam_expert_layout` says which experts this rank holds (CPU experts, expert parallelism).
 """
 
@@ -62,14 +64,34 @@ class BeamWorkerExtension:
     # -- weights ----------------------------------------------------------------------------------
     def beam_reload_weights(self, weights_path: str) -> dict[str, str]:
         """Reload a checkpoint directory in place (vLLM's layerwise `reload_weights`); returns the
-        `tensor_checksum` of every tensor as received, by HF name, for the sender to compare."""
-        model = self._beam_model()
-        model.received_checksums = {}
+        `tensor_checksum` of every tensor as received, by HF name, for the sender to compare.
+        Raises if the reload left any model parameter without a load (a checkpoint that lacks
+        tensors, or a loader that skipped some)."""
+        self.beam_begin_weight_update()
         try:
             self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
-            return dict(model.received_checksums)
         finally:
-            model.received_checksums = None
+            report = self.beam_end_weight_update()
+        if report["not_loaded"]:
+            raise RuntimeError(f"reload of {weights_path} loaded no data into {len(report['not_loaded'])} parameter(s), "
+                               f"e.g. {report['not_loaded'][:3]}")
+        return report["checksums"]
+
+    def beam_begin_weight_update(self) -> bool:
+        """Start recording what the model's `load_weights` receives: call before vLLM's
+        `start_weight_update` (weight-transfer API) or a reload."""
+        model = self._beam_model()
+        model.received_checksums, model.loaded_names = {}, set()
+        return True
+
+    def beam_end_weight_update(self) -> dict:
+        """Stop recording; returns {"checksums": HF name -> `tensor_checksum` as received,
+        "not_loaded": model parameters no received tensor reached}."""
+        model = self._beam_model()
+        received, loaded = dict(model.received_checksums or {}), set(model.loaded_names or ())
+        model.received_checksums = model.loaded_names = None
+        params = {n for n, _ in model.named_parameters()}
+        return {"checksums": received, "not_loaded": sorted(params - loaded)}
 
     def beam_expert_layout(self) -> dict[int, tuple[int, int, int, int, str, str]]:
         """Per MoE layer of this rank's CPU experts: (ep_rank, ep_size, first expert, number of local

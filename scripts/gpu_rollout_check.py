@@ -9,6 +9,9 @@
    captured routing reproduces vLLM's token log-probs (mean / max |delta| reported) and its greedy
    choices wherever the reference's top-2 margin exceeds 0.05; reports how many greedy tokens
    the free-running reference shares with vLLM and the router disagreement without replay.
+4. In-place reload A -> B -> A (`beam_reload_weights`: every tensor's checksum as received must
+   equal the file's, and every parameter, FusedMoE experts included, must have received data):
+   the greedy outputs on B differ, and back on A they equal the first generation bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +30,31 @@ def write_checkpoint(preset: str, path: str, seed: int) -> None:
         f"save_checkpoint(build_model(get_preset({preset!r}), seed={seed}), {path!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def check_reload(llm, ckpt: str, args, prompts, sp, first, config) -> bool:
+    """A -> B -> A in place; B's checksums as received equal B's files; back on A the outputs
+    equal `first` exactly."""
+    from beam_rl.checkpoint import read_tensors
+    from beam_rl.weights import tensor_checksum
+
+    other = os.path.join(args.out, f"{args.preset}-seed1")
+    if not os.path.exists(os.path.join(other, "config.json")):
+        write_checkpoint(args.preset, other, seed=1)
+    t = time.time()
+    received = llm.collective_rpc("beam_reload_weights", args=(other,))  # raises if a parameter got no data
+    seconds = time.time() - t
+    sent = {name: tensor_checksum(x) for name, x in read_tensors(other, config)}
+    on_b = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    llm.collective_rpc("beam_reload_weights", args=(ckpt,))
+    back = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    tokens = lambda outs: [list(o.outputs[0].token_ids) for o in outs]  # noqa: E731
+    lps = lambda outs: [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]  # noqa: E731
+    ok = all(r == sent for r in received) and tokens(on_b) != tokens(first) and tokens(back) == tokens(first) and lps(back) == lps(first)
+    print(f"reload A -> B -> A: {len(sent)} tensors in {seconds:.1f} s, checksums as received == files on every worker: "
+          f"{all(r == sent for r in received)}; B's outputs differ: {tokens(on_b) != tokens(first)}; back on A identical "
+          f"tokens {tokens(back) == tokens(first)} and log-probs {lps(back) == lps(first)}", flush=True)
+    return bool(ok)
 
 
 def main() -> int:
@@ -67,13 +95,15 @@ def main() -> int:
     ext = fetch_captured_routing(llm, outs)
     same_capture = all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(native, ext))
     print(f"capture paths identical: {same_capture}; shapes {[a.shape for a in native[:3]]} dtype {native[0].dtype}")
+    reload_ok = check_reload(llm, ckpt, args, prompts, sp, outs, config)
     del llm
     torch.cuda.empty_cache()
 
     from beam_rl.checkpoint import load_checkpoint
 
     ref = load_checkpoint(ckpt, device="cuda")
-    report = {"capture_paths_identical": bool(same_capture), "tensor_parallel": args.tensor_parallel, "sequences": []}
+    report = {"capture_paths_identical": bool(same_capture), "reload_a_b_a_identical": reload_ok,
+              "tensor_parallel": args.tensor_parallel, "sequences": []}
     diffs, agree, considered, shared, dis = [], 0, 0, [], []
     with torch.no_grad():
         for p, o, routed in zip(prompts, outs, native):
@@ -104,7 +134,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
-    return 0 if same_capture else 1
+    return 0 if same_capture and reload_ok else 1
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@
 #   gap_trained    scripts/pretrain_bytes.py (beam-mini as a byte LM on the stdlib, $PRETRAIN_S s), then
 #                  gap_h200.sh on that checkpoint with held-out prompts (MODES, default "bf16 lora")
 #   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps)
+#   rollout_check  scripts/gpu_rollout_check.py (capture paths, parity, in-place reload A -> B -> A)
 #   tp2            scripts/gpu_rollout_check.py --tensor-parallel 2 (needs 2 GPUs; run it alone)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -55,6 +56,7 @@ stage_cmd() {
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
     gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' WORK=$WORK SOURCES=0 bash $REPO/scripts/gap_h200.sh" ;;
     dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200" ;;
+    rollout_check) echo "python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --json $OUT/rollout_check.json" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
     *) echo "echo unknown stage $1; exit 2" ;;
   esac
