@@ -2,7 +2,8 @@
 
 `register()` is the `vllm.general_plugins` entry point: it runs in every vLLM process (engine
 core, workers, Ray actors) and may run more than once. It registers beam-rl's `BeamConfig` with
-transformers and beam-rl's `BeamForCausalLM` with vLLM's model registry.
+transformers, beam-rl's `BeamForCausalLM` with vLLM's model registry, and the `beam_gloo`
+weight-transfer backend (`beam_rl.rollout.weight_transfer`) with vLLM's weight-transfer factory.
 
 Which Beam runs is explicit: `BEAM_RL_VLLM_MODEL=beam_rl` (default) installs ours, replacing the
 `BeamForCausalLM` that vLLM >= 0.33 ships (with a log line saying so); `BEAM_RL_VLLM_MODEL=upstream`
@@ -42,6 +43,7 @@ def register() -> None:
     if has_upstream:
         logger.warning("beam_rl.rollout: replacing vLLM's own %s with beam-rl's (set %s=upstream to keep it)", ARCH, MODEL_ENV)
     ModelRegistry.register_model(ARCH, "beam_rl.rollout.model:BeamForCausalLM")
+    _register_weight_transfer()
 
 
 def _is_ours(registry) -> bool:
@@ -50,3 +52,12 @@ def _is_ours(registry) -> bool:
     except (AttributeError, KeyError):
         return False
     return "beam_rl" in str(getattr(model, "module_name", getattr(model, "__module__", "")))
+
+
+def _register_weight_transfer() -> None:
+    """`beam_gloo` as a weight-transfer backend name in this process (lazy: the engine module is
+    imported only when an engine is configured with it)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if "beam_gloo" not in WeightTransferEngineFactory._registry:  # plugins may load twice in a process
+        WeightTransferEngineFactory.register_engine("beam_gloo", "beam_rl.rollout.weight_transfer", "GlooWeightTransferEngine")

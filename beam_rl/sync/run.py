@@ -4,6 +4,7 @@
         --hf ckpt/step-200 --previous ckpt/step-100
     beam-rl sync --server ... --megatron megatron-ckpt/ --staging runs/sync/step-200 --previous ckpt/step-100
     beam-rl sync --server ... --lora adapters/step-200 --lora-name policy
+    beam-rl sync --server ... --hf ckpt/step-200 --previous ckpt/step-100 --strategy nccl --master-address 10.0.0.5
 
 Protocol: check every server -> pause every server -> apply + verify on every server (in
 parallel) -> resume every server. If any server fails anywhere, every server that was touched is
@@ -59,14 +60,15 @@ def _parallel(fn, servers: list[ServerClient]) -> dict[str, object]:
 
 
 def sync_servers(urls: list[str], update: WeightUpdate, previous: WeightUpdate | Callable[[ServerClient], WeightUpdate],
-                 *, strategy: str = "disk", pause_mode: str = "wait", timeout_s: float = 600.0,
-                 before_apply: Callable[[ServerClient], None] | None = None) -> SyncResult:
+                 *, strategy: str = "disk", strategy_options: dict | None = None, pause_mode: str = "wait",
+                 timeout_s: float = 600.0, before_apply: Callable[[ServerClient], None] | None = None) -> SyncResult:
     """Apply `update` on every server or on none. `previous`: what the servers serve now (or a
-    function of the server giving it), the rollback target. `before_apply(server)` runs in each
+    function of the server giving it), the rollback target. `strategy_options`: keyword arguments
+    of the strategy (e.g. `master_address` for nccl / gloo). `before_apply(server)` runs in each
     server's thread just before its update (a hook for fault-injection tests)."""
     if not urls:
         raise ValueError("give at least one --server URL")
-    strat = get_strategy(strategy)
+    strat = get_strategy(strategy, **(strategy_options or {}))
     servers = [ServerClient(u, timeout_s) for u in urls]
     result = SyncResult(ok=False)
     try:
@@ -145,8 +147,9 @@ def cmd_sync(args) -> int:
             update = full_update(args.hf)
         previous = full_update(args.previous)
         strategy = args.strategy
-    result = sync_servers(args.server, update, previous, strategy=strategy, pause_mode=args.pause_mode,
-                          timeout_s=args.timeout)
+    options = {"master_address": args.master_address} if strategy in ("nccl", "gloo") else {}
+    result = sync_servers(args.server, update, previous, strategy=strategy, strategy_options=options,
+                          pause_mode=args.pause_mode, timeout_s=args.timeout)
     print(result.describe(), file=sys.stdout if result.ok else sys.stderr)
     return 0 if result.ok else 1
 
@@ -161,7 +164,12 @@ def add_sync_parser(sub) -> None:
     p.add_argument("--lora", help="PEFT LoRA adapter directory to hot-load")
     p.add_argument("--lora-name", help="name to serve the adapter under (requests use it as `model`)")
     p.add_argument("--previous", help="checkpoint directory the servers serve now: the rollback target (full updates)")
-    p.add_argument("--strategy", default="disk", choices=["disk", "nccl"], help="how full weights travel (default disk)")
+    p.add_argument("--strategy", default="disk", choices=["disk", "nccl", "gloo"],
+                   help="how full weights travel: disk (servers reload a directory they can read; default), nccl (broadcast "
+                        "from this process's GPU through vLLM's weight-transfer API; servers run --weight-transfer-config "
+                        "'{\"backend\": \"nccl\"}'), gloo (the same protocol over gloo, CPU servers: '{\"backend\": \"beam_gloo\"}')")
+    p.add_argument("--master-address", default="127.0.0.1",
+                   help="nccl / gloo: this machine's address as the servers' workers reach it (default 127.0.0.1)")
     p.add_argument("--pause-mode", default="wait", choices=["wait", "abort"],
                    help="in-flight requests: finish them first (wait, default) or abort them")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per server request")
