@@ -11,6 +11,7 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
   tensor as received (HF names), so the sender can verify the sync tensor by tensor;
   `beam_begin_weight_update` / `beam_end_weight_update` record the same around an update through
   vLLM's weight-transfer API (NCCL, `beam_gloo`), plus which parameters nothing reached;
+  `beam_parameter_checksums` fingerprints the loaded model itself (reload == fresh load);
   `beam_expert_layout` says which experts this rank holds (CPU experts, expert parallelism).
 """
 
@@ -92,6 +93,15 @@ class BeamWorkerExtension:
         model.received_checksums = model.loaded_names = None
         params = {n for n, _ in model.named_parameters()}
         return {"checksums": received, "not_loaded": sorted(params - loaded)}
+
+    def beam_parameter_checksums(self) -> dict[str, str]:
+        """`tensor_checksum` of every parameter and buffer of the loaded model as it is now (vLLM's
+        names, kernel format): equal maps mean bit-identical models, e.g. after an in-place reload
+        versus a fresh load of the same checkpoint."""
+        from beam_rl.weights import tensor_checksum
+
+        model = self._beam_model()
+        return {name: tensor_checksum(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
     def beam_expert_layout(self) -> dict[int, tuple[int, int, int, int, str, str]]:
         """Per MoE layer of this rank's CPU experts: (ep_rank, ep_size, first expert, number of local

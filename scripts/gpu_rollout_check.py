@@ -11,7 +11,7 @@
    the free-running reference shares with vLLM and the router disagreement without replay.
 4. In-place reload A -> B -> A (`beam_reload_weights`: every tensor's checksum as received must
    equal the file's, and every parameter, FusedMoE experts included, must have received data):
-   the greedy outputs on B differ, and back on A they equal the first generation bit for bit.
+   back on A every parameter and buffer is bit-identical to the fresh load.
 """
 
 from __future__ import annotations
@@ -32,29 +32,32 @@ def write_checkpoint(preset: str, path: str, seed: int) -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def check_reload(llm, ckpt: str, args, prompts, sp, first, config) -> bool:
-    """A -> B -> A in place; B's checksums as received equal B's files; back on A the outputs
-    equal `first` exactly."""
+def check_reload(llm, ckpt: str, args, config) -> bool:
+    """A -> B -> A in place: B's checksums as received equal B's files, B's parameters differ from
+    A's, and back on A every parameter and buffer is bit-identical to the fresh load of A
+    (`beam_parameter_checksums`). Outputs are not compared: greedy generation of vLLM 0.26 on the
+    H200 is not reproducible run to run even without a reload (scripts/diag_reload_gpu.py)."""
     from beam_rl.checkpoint import read_tensors
     from beam_rl.weights import tensor_checksum
 
     other = os.path.join(args.out, f"{args.preset}-seed1")
     if not os.path.exists(os.path.join(other, "config.json")):
         write_checkpoint(args.preset, other, seed=1)
+    fresh = llm.collective_rpc("beam_parameter_checksums")
     t = time.time()
     received = llm.collective_rpc("beam_reload_weights", args=(other,))  # raises if a parameter got no data
     seconds = time.time() - t
     sent = {name: tensor_checksum(x) for name, x in read_tensors(other, config)}
-    on_b = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    on_b = llm.collective_rpc("beam_parameter_checksums")
     llm.collective_rpc("beam_reload_weights", args=(ckpt,))
-    back = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-    tokens = lambda outs: [list(o.outputs[0].token_ids) for o in outs]  # noqa: E731
-    lps = lambda outs: [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]  # noqa: E731
-    ok = all(r == sent for r in received) and tokens(on_b) != tokens(first) and tokens(back) == tokens(first) and lps(back) == lps(first)
-    print(f"reload A -> B -> A: {len(sent)} tensors in {seconds:.1f} s, checksums as received == files on every worker: "
-          f"{all(r == sent for r in received)}; B's outputs differ: {tokens(on_b) != tokens(first)}; back on A identical "
-          f"tokens {tokens(back) == tokens(first)} and log-probs {lps(back) == lps(first)}", flush=True)
-    return bool(ok)
+    back = llm.collective_rpc("beam_parameter_checksums")
+    as_sent = all(r == sent for r in received)
+    b_differs = all(x != y for x, y in zip(on_b, fresh))
+    restored = back == fresh
+    print(f"reload A -> B -> A: {len(sent)} tensors in {seconds:.1f} s; checksums as received == files on every worker: "
+          f"{as_sent}; B's parameters differ from A's: {b_differs}; back on A every parameter/buffer bit-identical to the "
+          f"fresh load: {restored} ({len(fresh[0])} per worker)", flush=True)
+    return as_sent and b_differs and restored
 
 
 def main() -> int:
@@ -95,7 +98,7 @@ def main() -> int:
     ext = fetch_captured_routing(llm, outs)
     same_capture = all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(native, ext))
     print(f"capture paths identical: {same_capture}; shapes {[a.shape for a in native[:3]]} dtype {native[0].dtype}")
-    reload_ok = check_reload(llm, ckpt, args, prompts, sp, outs, config)
+    reload_ok = check_reload(llm, ckpt, args, config)
     del llm
     torch.cuda.empty_cache()
 

@@ -141,6 +141,7 @@ def test_lora_matches_merged_reference(fp32_setup):
 def test_reload_equals_fresh_engine_and_verifies_checksums(tiny_vllm, tiny_config, tiny_checkpoint, tmp_path):
     ps = prompts(seed=3)
     before, _ = greedy(tiny_vllm, ps, max_tokens=32)
+    fresh = tiny_vllm.collective_rpc("beam_parameter_checksums")[0]
     other = save_checkpoint(build_model(tiny_config, seed=99), tmp_path / "other")
     try:
         received = tiny_vllm.collective_rpc("beam_reload_weights", args=(str(other),))[0]
@@ -155,6 +156,7 @@ def test_reload_equals_fresh_engine_and_verifies_checksums(tiny_vllm, tiny_confi
                 assert (lp - sampled_logprobs(out)).abs().mean() < 0.01
     finally:
         tiny_vllm.collective_rpc("beam_reload_weights", args=(str(tiny_checkpoint),))
+    assert tiny_vllm.collective_rpc("beam_parameter_checksums")[0] == fresh  # every parameter and buffer as freshly loaded
     again, _ = greedy(tiny_vllm, ps, max_tokens=32)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in before]
     assert all(torch.equal(sampled_logprobs(a), sampled_logprobs(b)) for a, b in zip(again, before))
