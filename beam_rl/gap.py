@@ -154,6 +154,7 @@ def start_engine(checkpoint: str, config: BeamConfig, opts: GapOptions, max_mode
     kwargs = dict(
         model=str(checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
         max_model_len=max_model_len, seed=opts.seed, max_num_seqs=min(64, max(opts.num_prompts, 1)),
+        enable_prefix_caching=False,  # a cached prompt block is never routed, so R3 would have no rows for it
         worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension",
     )
     if MODES[opts.mode].lora:

@@ -38,8 +38,11 @@ def main() -> int:
     import torch
     from vllm import LLM, SamplingParams
 
+    # prefix caching off: a repeated prompt would otherwise read its cached KV instead of recomputing it
+    # (the run of 2026-12-01 had it on, so its "second generation differs" compared two computations)
     llm = LLM(model=a, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-              gpu_memory_utilization=0.5, seed=0, worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension")
+              gpu_memory_utilization=0.5, seed=0, enable_prefix_caching=False,
+              worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension")
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 32000, (int(n),), generator=gen).tolist() for n in torch.randint(8, 200, (8,), generator=gen)]
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)

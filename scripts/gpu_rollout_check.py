@@ -35,9 +35,9 @@ def write_checkpoint(preset: str, path: str, seed: int) -> None:
 def check_reload(llm, ckpt: str, args, config) -> bool:
     """A -> B -> A in place: B's checksums as received equal B's files, B's parameters differ from
     A's, and back on A every parameter and buffer is bit-identical to the fresh load of A
-    (`beam_parameter_checksums`). Outputs are not compared: greedy generation of vLLM 0.26 on the
-    H200 is not reproducible run to run even without a reload (scripts/diag_reload_gpu.py)."""
+    (`beam_parameter_checksums`)."""
     from beam_rl.checkpoint import read_tensors
+    from beam_rl.rollout.reload import reload_weights
     from beam_rl.weights import tensor_checksum
 
     other = os.path.join(args.out, f"{args.preset}-seed1")
@@ -45,11 +45,11 @@ def check_reload(llm, ckpt: str, args, config) -> bool:
         write_checkpoint(args.preset, other, seed=1)
     fresh = llm.collective_rpc("beam_parameter_checksums")
     t = time.time()
-    received = llm.collective_rpc("beam_reload_weights", args=(other,))  # raises if a parameter got no data
+    received = reload_weights(llm, other)  # raises if a parameter got no data
     seconds = time.time() - t
     sent = {name: tensor_checksum(x) for name, x in read_tensors(other, config)}
     on_b = llm.collective_rpc("beam_parameter_checksums")
-    llm.collective_rpc("beam_reload_weights", args=(ckpt,))
+    reload_weights(llm, ckpt)
     back = llm.collective_rpc("beam_parameter_checksums")
     as_sent = all(r == sent for r in received)
     b_differs = all(x != y for x, y in zip(on_b, fresh))

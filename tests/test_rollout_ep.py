@@ -74,7 +74,9 @@ def test_expert_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
         assert worst < 1e-3
 
         # In-place reload: every rank refills exactly its own experts from the new checkpoint.
-        llm.collective_rpc("beam_reload_weights", args=(str(other),))
+        from beam_rl.rollout.reload import reload_weights
+
+        reload_weights(llm, other)
         check_layout(llm, other)
         outs, _ = greedy(llm, ps[:1], max_tokens=16)
         assert list(outs[0].outputs[0].token_ids) == other_ref.greedy_generate(torch.tensor([ps[0]]), 16)[0].tolist()

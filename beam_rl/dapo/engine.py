@@ -75,7 +75,9 @@ def write_weights(tensors: dict[str, torch.Tensor], path: Path, config) -> dict[
 
 def verified_reload(llm, path: Path, sent: dict[str, str]) -> None:
     """Reload `path` into the running engine and compare every tensor's checksum with `sent`."""
-    got = llm.collective_rpc("beam_reload_weights", args=(str(path),))[0]
+    from beam_rl.rollout.reload import reload_weights
+
+    got = reload_weights(llm, path)[0]
     missing = sorted(set(sent) - set(got))
     extra = sorted(set(got) - set(sent))
     wrong = sorted(n for n in set(sent) & set(got) if sent[n] != got[n])

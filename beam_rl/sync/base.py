@@ -68,7 +68,7 @@ class ServerClient:
         if r.status_code != 200:
             hint = ""
             if r.status_code == 404 and path in ("/pause", "/resume", "/collective_rpc", "/is_paused", "/get_world_size",
-                                                 "/init_weight_transfer_engine"):
+                                                 "/init_weight_transfer_engine", "/reset_prefix_cache"):
                 hint = " (start the server with VLLM_SERVER_DEV_MODE=1)"
             if r.status_code == 404 and "lora" in path:
                 hint = " (start the server with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and --enable-lora)"
@@ -91,6 +91,8 @@ class ServerClient:
         self._request("POST", "/pause", params={"mode": mode})
 
     def resume(self) -> None:
+        """Drop the prefix cache (its KV may predate the weights now loaded), then resume."""
+        self._request("POST", "/reset_prefix_cache")
         self._request("POST", "/resume")
 
     def collective_rpc(self, method: str, *args: str) -> list:
