@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -165,12 +166,15 @@ def test_gloo_transfer_checksum_mismatch_rolls_back(setup, tiny_vllm, monkeypatc
     urls = setup["urls"]
     stream = transfer.stream_tensors
 
-    def corrupt_second_call(manifest):
-        corrupt_second_call.calls += 1
-        for i, t in enumerate(stream(manifest)):
-            yield t + 1 if corrupt_second_call.calls == 2 and i == 3 else t
+    calls = []
+    lock = threading.Lock()
 
-    corrupt_second_call.calls = 0
+    def corrupt_second_call(manifest):  # the servers' applies run in parallel: number the calls when made
+        with lock:
+            calls.append(None)
+            n = len(calls)
+        return (t + 1 if n == 2 and i == 3 else t for i, t in enumerate(stream(manifest)))
+
     monkeypatch.setattr(transfer, "stream_tensors", corrupt_second_call)
     result = sync_servers(urls, full_update(setup["old"]), full_update(setup["new"]), strategy="gloo")
     print(result.describe())
