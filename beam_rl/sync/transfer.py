@@ -185,7 +185,11 @@ class NcclTransferStrategy(WeightTransferStrategy):
     def join_group(self, port: int, world_size: int):
         from vllm.distributed.weight_transfer.nccl_common import trainer_init  # vLLM 0.26 and 0.32: rank 0, current device
 
-        return trainer_init({"master_address": self.master_address, "master_port": port, "world_size": world_size})
+        comm = trainer_init({"master_address": self.master_address, "master_port": port, "world_size": world_size})
+        if getattr(comm, "disabled", False):  # no libnccl: its broadcasts would silently do nothing
+            raise SyncError("vLLM's PyNcclCommunicator is disabled in this process (NCCL library not found); "
+                            "use --strategy gloo or disk")
+        return comm
 
     def broadcast(self, group, tensors: Iterator[torch.Tensor]) -> None:
         stream = torch.cuda.current_stream()
