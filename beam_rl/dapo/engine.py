@@ -10,6 +10,7 @@ so the run never trains on stale weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -43,9 +44,31 @@ def start_engine(model_dir: str, *, seed: int, max_model_len: int, kv_cache_gib:
         kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
     if torch.cuda.is_available():
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
-    llm = LLM(**kwargs)
+        llm = LLM(**kwargs)
+    else:
+        with _in_process_engine_core():
+            llm = LLM(**kwargs)
     llm.collective_rpc("beam_start_routing_capture")
     return llm
+
+
+@contextlib.contextmanager
+def _in_process_engine_core():
+    """Build the engine with its core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
+    `LLM.generate` hands the scheduler every request before the first step. With the core in its
+    own process, requests arrive one by one while it already steps, which requests share a step
+    varies from run to run, and BF16 kernels round by batch shape: rollouts (and so a resumed run)
+    would differ from an uninterrupted one in the last bits. CPU only: the GPU path keeps vLLM's
+    default process layout, which is what ran on the H200."""
+    key, old = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def generate(llm, prompts: list[list[int]], seeds: list[int], *, max_tokens: int, temperature: float, stop_token_ids: list[int],
