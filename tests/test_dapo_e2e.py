@@ -33,11 +33,13 @@ def recipe(**changes):
     return recipe_from_dict(data)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def llm(tiny_checkpoint, tmp_path_factory):
     """The loop's own engine, built as `beam-rl dapo` builds it (`engine.start_engine`: the engine
     core in this process, so rollouts are reproducible and resume can equal an uninterrupted run),
-    on beam-tiny with the task's tokenizer; each run starts with a verified sync of its weights."""
+    on beam-tiny with the task's tokenizer; each run starts with a verified sync of its weights.
+    Session-scoped and never shut down before the session ends: an in-process engine's shutdown
+    destroys torch.distributed's default group, and with it the Megatron groups later tests use."""
     import shutil
 
     from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES
@@ -51,7 +53,6 @@ def llm(tiny_checkpoint, tmp_path_factory):
     llm = engine.start_engine(str(model_dir), seed=1, max_model_len=ro.max_model_len, kv_cache_gib=ro.kv_cache_gib,
                               max_num_seqs=ro.max_num_seqs, lora_rank=8)
     yield llm
-    del llm
 
 
 def comparable(rows):

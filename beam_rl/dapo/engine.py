@@ -48,6 +48,9 @@ def start_engine(model_dir: str, *, seed: int, max_model_len: int, kv_cache_gib:
     else:
         with _in_process_engine_core():
             llm = LLM(**kwargs)
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()  # the in-process core froze vllm.envs for this whole process; later engines read the environment
     llm.collective_rpc("beam_start_routing_capture")
     return llm
 
