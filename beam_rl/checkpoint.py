@@ -123,8 +123,9 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
     raise CheckpointError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}; is this a Beam checkpoint directory?")
 
 
-def read_tensors(path: str | os.PathLike, config: BeamConfig):
-    """Yield (name, tensor) of a checkpoint after checking names and shapes against `config`."""
+def checked_tensor_files(path: str | os.PathLike, config: BeamConfig) -> tuple[dict[Path, list[str]], dict]:
+    """(the checkpoint's tensor names grouped by safetensors file, `config`'s tensor specs), after
+    checking that the names are exactly `config`'s; `check_shape` then checks each tensor as read."""
     files = checkpoint_files(path)
     specs = checkpoint_tensors(config)
     missing = [n for n in specs if n not in files]
@@ -139,14 +140,22 @@ def read_tensors(path: str | os.PathLike, config: BeamConfig):
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
         by_file.setdefault(f, []).append(name)
+    return by_file, specs
+
+
+def check_shape(path, name: str, shape, spec) -> None:
+    if tuple(shape) != spec.shape:
+        raise CheckpointError(f"{path}: tensor {name} has shape {tuple(shape)}, config expects {spec.shape}")
+
+
+def read_tensors(path: str | os.PathLike, config: BeamConfig):
+    """Yield (name, tensor) of a checkpoint after checking names and shapes against `config`."""
+    by_file, specs = checked_tensor_files(path, config)
     for fname, names in by_file.items():
         with safe_open(fname, framework="pt") as f:
             for name in names:
                 t = f.get_tensor(name)
-                if tuple(t.shape) != specs[name].shape:
-                    raise CheckpointError(
-                        f"{path}: tensor {name} has shape {tuple(t.shape)}, config expects {specs[name].shape}"
-                    )
+                check_shape(path, name, t.shape, specs[name])
                 yield name, t
 
 

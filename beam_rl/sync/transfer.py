@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from beam_rl.checkpoint import checkpoint_files, load_config
+from beam_rl.checkpoint import load_config
 from beam_rl.sync.base import ServerClient, ServerReport, SyncError, WeightSyncStrategy, WeightUpdate, compare_checksums, register_strategy
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
@@ -46,27 +46,19 @@ _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "
 
 def checkpoint_manifest(path: str | Path) -> list[tuple[str, str, list[int], Path]]:
     """(HF name, torch dtype name, shape, file) of every tensor of a checkpoint directory, grouped
-    by file, without reading tensor data; checked against its config.json like `read_tensors`."""
+    by file, without reading tensor data; names and shapes checked as `read_tensors` checks them."""
     from safetensors import safe_open
 
-    from beam_rl.weights import checkpoint_tensors
+    from beam_rl.checkpoint import check_shape, checked_tensor_files
 
-    specs = checkpoint_tensors(load_config(path))
-    files = checkpoint_files(path)
-    if set(files) != set(specs):
-        bad = sorted(set(files) ^ set(specs))
-        raise SyncError(f"{path}: tensors do not match its config.json (e.g. {bad[:3]})")
-    by_file: dict[Path, list[str]] = {}
-    for name, f in files.items():
-        by_file.setdefault(f, []).append(name)
+    by_file, specs = checked_tensor_files(path, load_config(path))
     out = []
     for fname, names in by_file.items():
         with safe_open(fname, framework="pt") as f:
             for name in names:
                 sl = f.get_slice(name)
                 shape = list(sl.get_shape())
-                if tuple(shape) != specs[name].shape:
-                    raise SyncError(f"{path}: tensor {name} has shape {tuple(shape)}, config expects {specs[name].shape}")
+                check_shape(path, name, shape, specs[name])
                 out.append((name, _SAFETENSORS_DTYPES[sl.get_dtype()], shape, fname))
     return out
 
