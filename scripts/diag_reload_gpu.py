@@ -1,7 +1,11 @@
 """Which parameters an in-place reload A -> B -> A leaves different from the fresh load of A
 (vLLM on GPU), and whether greedy generation is deterministic without any reload.
 
-    VLLM_ALLOW_INSECURE_SERIALIZATION=1 python scripts/diag_reload_gpu.py --out /tmp/beam-gpu
+    python scripts/diag_reload_gpu.py --out /tmp/beam-gpu
+
+Parameters are fingerprinted by `BeamWorkerExtension.beam_parameter_checksums`. (The run of
+2026-12-01 used an equivalent function of its own, passed to `collective_rpc` under
+VLLM_ALLOW_INSECURE_SERIALIZATION=1, and had prefix caching on.)
 """
 
 from __future__ import annotations
@@ -12,17 +16,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from gpu_rollout_check import write_checkpoint  # noqa: E402
-
-
-def param_checksums(worker) -> dict:
-    import hashlib
-
-    model = worker.model_runner.get_model()
-    out = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        h = hashlib.sha256(t.detach().contiguous().view(-1).view(__import__("torch").uint8).cpu().numpy().tobytes())
-        out[name] = (str(t.dtype), tuple(t.shape), h.hexdigest()[:16])
-    return out
 
 
 def main() -> int:
@@ -48,20 +41,18 @@ def main() -> int:
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     run = lambda: [(list(o.outputs[0].token_ids), [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
                    for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]  # noqa: E731
-    fresh = llm.collective_rpc(param_checksums)[0]
+    fresh = llm.collective_rpc("beam_parameter_checksums")[0]
     first, second = run(), run()
     print(f"no reload: second generation identical to first: tokens {[x[0] for x in first] == [x[0] for x in second]}, "
           f"log-probs {first == second}", flush=True)
     llm.collective_rpc("beam_reload_weights", args=(a,))
-    same_a = llm.collective_rpc(param_checksums)[0]
+    same_a = llm.collective_rpc("beam_parameter_checksums")[0]
     print("reload A onto A: parameters differing from fresh:", sorted(n for n in fresh if same_a.get(n) != fresh[n])[:12], flush=True)
     llm.collective_rpc("beam_reload_weights", args=(b,))
     llm.collective_rpc("beam_reload_weights", args=(a,))
-    back = llm.collective_rpc(param_checksums)[0]
+    back = llm.collective_rpc("beam_parameter_checksums")[0]
     bad = sorted(n for n in fresh if back.get(n) != fresh[n])
     print(f"A -> B -> A: {len(bad)} of {len(fresh)} parameters/buffers differ from fresh, e.g. {bad[:12]}", flush=True)
-    for n in bad[:4]:
-        print("  ", n, "fresh", fresh[n], "after", back.get(n), flush=True)
     third = run()
     print(f"after A -> B -> A: identical to first: tokens {[x[0] for x in first] == [x[0] for x in third]}, log-probs {first == third}")
     return 0
