@@ -18,10 +18,27 @@ SSMAX_BASE = 2048.0
 SSMAX_EXPONENT = 0.1
 
 
+def mean_factor(n: int) -> float:
+    """fl32(1 / n): the FP32 scale that turns a sum over n elements into a mean."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(n), dtype=torch.float32))
+
+
+def sum_of_squares(xf: torch.Tensor) -> torch.Tensor:
+    """sum(x^2) over the last dim of FP32 xf: squares in FP32, summed in FP64, rounded once to FP32.
+
+    Order-free by construction: a BF16 value's square is exact in FP32 and FP64 keeps 29 more bits
+    than FP32, so every summation order (ATen's CPU or CUDA kernels, a Triton tree) rounds to the
+    same FP32 value unless an FP32 rounding boundary falls between two FP64 sums (~1e-7 of rows).
+    An FP32 sum instead depends on the order, which differs between devices and launch shapes."""
+    return (xf * xf).sum(dim=-1, keepdim=True, dtype=torch.float64).float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w over the last dim in FP32, rounded once after the weight multiply."""
+    """x * rsqrt(mean(x^2) + eps) * w over the last dim in FP32, rounded once after the weight multiply.
+
+    mean(x^2) = fl32(sum_of_squares(x) * mean_factor(n)); every other operation is one FP32 op."""
     xf = x.float()
-    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    inv_rms = torch.rsqrt(sum_of_squares(xf) * mean_factor(x.shape[-1]) + eps)
     return (xf * inv_rms * weight.float()).to(x.dtype)
 
 

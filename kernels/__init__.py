@@ -2,8 +2,9 @@
 
 Each op has a Triton kernel used on CUDA and falls back to its PyTorch reference in
 `beam_rl.numerics` / `beam_rl.routing` elsewhere; both implement the same rounding contract, and the
-Triton BF16 outputs are bit-identical to the references run on the same GPU (FP32 sums of squares
-follow ATen's CUDA summation order, see `reduce_order`). Importing this package needs no Triton.
+Triton BF16 outputs are bit-identical to the references run on the same GPU (sums of squares are
+FP64 and so order-free, `numerics.sum_of_squares`; the router's renormalisation follows ATen's CUDA
+summation order, `reduce_order`). Importing this package needs no Triton.
 """
 
 from ._triton_compat import HAS_TRITON

@@ -1,8 +1,10 @@
 """Sublayer boundary: post-norm -> depth-scaled residual add -> next pre-norm, one Triton kernel per call.
 
 The first boundary (the embedding's pre-norm) is `rms_norm`; the last passes the final norm's weight
-as `next_norm_weight`; `next_norm_weight=None` stops after the residual add. All FP32 sums of squares
-follow ATen's CUDA order (`reduce_order`), so the BF16 outputs equal `beam_rl.numerics` bit for bit.
+as `next_norm_weight`; `next_norm_weight=None` stops after the residual add. Each program walks its
+rows in chunks (see `launch_shape`); every output is written once. Sums of squares follow
+`numerics.sum_of_squares` (FP32 squares, FP64 sum in any order, rounded once), so the BF16 outputs
+equal `beam_rl.numerics` bit for bit.
 """
 
 
@@ -11,62 +13,69 @@ import torch
 from beam_rl import numerics
 
 from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
-from .reduce_order import _block_x_tree, _combine4, _sumsq_cuda_order, _tile_offsets, cuda_sum_config, mean_factor
+
+
+@triton.jit
+def _inv_rms(ptr, r, row_ok, stride, n, factor, eps, NCHUNK: tl.constexpr, CHUNK: tl.constexpr):
+    """rsqrt(fl32(sum_fp64(fl32(x^2))) * factor + eps) for rows r [ROWS, 1] of ptr -> FP32 [ROWS, 1]."""
+    acc = tl.zeros(r.shape[:1] + (CHUNK,), dtype=tl.float64)
+    for ci in tl.static_range(NCHUNK):
+        c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+        x = tl.load(ptr + r * stride + c, mask=row_ok & (c < n), other=0.0).to(tl.float32)
+        acc += (x * x).to(tl.float64)
+    ss = tl.sum(acc, axis=1, keep_dims=True).to(tl.float32)
+    return libdevice.rsqrt(ss * factor + eps)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps, factor,
-                     ROWS: tl.constexpr, BW: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
+                     ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
-    ss = _sumsq_cuda_order(x_ptr, r * stride_x, row_ok, n, ROWS, BW, VEC, ITERS)
-    inv = libdevice.rsqrt(ss * factor + eps)[:, None, None]
-    off = _tile_offsets(BW, VEC)
-    for i in range(ITERS):
-        e = i * 4 * BW + off
-        m = row_ok & (e < n)
-        x = tl.load(x_ptr + r * stride_x + e, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e, mask=e < n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * stride_o + e, ((x * inv) * w).to(out_ptr.dtype.element_ty), mask=m)
+    inv = _inv_rms(x_ptr, r, row_ok, stride_x, n, factor, eps, NCHUNK, CHUNK)
+    for ci in tl.static_range(NCHUNK):  # second read of the row: from L1/L2, not HBM
+        c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+        m = row_ok & (c < n)
+        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * stride_o + c, ((x * inv) * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _residual_add(x_ptr, h_ptr, wpost_ptr, r, c, m, n, stride_x, stride_h, inv, x_scale, r_scale, dt):
+    """h' = round(round(round(postnorm(x)) * x_scale) + round(h * r_scale)) on one chunk, as FP32."""
+    x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + r * stride_h + c, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(wpost_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+    y = ((x * inv) * w).to(dt).to(tl.float32)
+    a = (y * x_scale).to(dt).to(tl.float32)
+    b = (h * r_scale).to(dt).to(tl.float32)
+    return (a + b).to(dt).to(tl.float32)
 
 
 @triton.jit
 def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num_rows, n,
                      stride_x, stride_h, stride_ho, stride_no, eps, factor, x_scale, r_scale,
-                     HAS_NEXT: tl.constexpr, ROWS: tl.constexpr, BW: tl.constexpr, VEC: tl.constexpr,
-                     ITERS: tl.constexpr):
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None, None]
+                     HAS_NEXT: tl.constexpr, ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr):
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = hout_ptr.dtype.element_ty
-    ss = _sumsq_cuda_order(x_ptr, r * stride_x, row_ok, n, ROWS, BW, VEC, ITERS)
-    inv = libdevice.rsqrt(ss * factor + eps)[:, None, None]
-    off = _tile_offsets(BW, VEC)
-    acc = tl.zeros([ROWS, BW, 4], dtype=tl.float32)
-    for i in range(ITERS):
-        e = i * 4 * BW + off
-        m = row_ok & (e < n)
-        x = tl.load(x_ptr + r * stride_x + e, mask=m, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + r * stride_h + e, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(wpost_ptr + e, mask=e < n, other=0.0).to(tl.float32)
-        y = ((x * inv) * w).to(dt).to(tl.float32)
-        a = (y * x_scale).to(dt).to(tl.float32)
-        b = (h * r_scale).to(dt).to(tl.float32)
-        hn = (a + b).to(dt)
-        tl.store(hout_ptr + r * stride_ho + e, hn, mask=m)
-        if HAS_NEXT:
-            hf = hn.to(tl.float32)
-            acc += hf * hf
+    inv = _inv_rms(x_ptr, r, row_ok, stride_x, n, factor, eps, NCHUNK, CHUNK)
+    acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
+    for ci in tl.static_range(NCHUNK):
+        c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+        m = row_ok & (c < n)
+        hn = _residual_add(x_ptr, h_ptr, wpost_ptr, r, c, m, n, stride_x, stride_h, inv, x_scale, r_scale, dt)
+        tl.store(hout_ptr + r * stride_ho + c, hn.to(dt), mask=m)
+        acc += (hn * hn).to(tl.float64)
     if HAS_NEXT:
-        # The same tile walk is ATen's thread loop, so acc already holds its per-thread accumulators.
-        ss2 = _block_x_tree(_combine4(acc, ROWS, BW), ROWS, BW)
-        inv2 = libdevice.rsqrt(ss2 * factor + eps)[:, None, None]
-        tl.debug_barrier()  # h' rows written above are read back by other threads of this program
-        for i in range(ITERS):
-            e = i * 4 * BW + off
-            m = row_ok & (e < n)
-            h = tl.load(hout_ptr + r * stride_ho + e, mask=m, other=0.0).to(tl.float32)
-            w = tl.load(wnext_ptr + e, mask=e < n, other=0.0).to(tl.float32)
-            tl.store(nout_ptr + r * stride_no + e, ((h * inv2) * w).to(nout_ptr.dtype.element_ty), mask=m)
+        inv2 = libdevice.rsqrt(tl.sum(acc, axis=1, keep_dims=True).to(tl.float32) * factor + eps)
+        for ci in tl.static_range(NCHUNK):  # h' recomputed from the (cached) inputs: same bits, no barrier
+            c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+            m = row_ok & (c < n)
+            hn = _residual_add(x_ptr, h_ptr, wpost_ptr, r, c, m, n, stride_x, stride_h, inv, x_scale, r_scale, dt)
+            w2 = tl.load(wnext_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+            tl.store(nout_ptr + r * stride_no + c, ((hn * inv2) * w2).to(dt), mask=m)
 
 
 def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -78,15 +87,26 @@ def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.view(-1, n)
 
 
-def _launch_shape(num_rows: int, bw: int) -> tuple[int, int]:
-    """(rows per program, warps): one warp row per reduction like ATen; pack rows when there are many."""
-    if bw >= 64:
-        return 1, min(16, bw // 32)
-    return (4, 4) if num_rows >= 4096 else (1, 1)
+def launch_shape(num_rows: int, n: int) -> tuple[int, int, int]:
+    """(rows per program, warps, chunk) for rows of n elements (chosen by `bench_kernels.py --tune`).
+
+    A row is walked in chunks of `chunk` elements (a power of two; the last chunk masked), twice or
+    three times: the first walk reads it from HBM, the later ones from L1/L2. Narrow rows (beam-tiny,
+    head_dim) are packed several to a program so each still moves a few KiB."""
+    block = triton.next_power_of_2(n)
+    if block >= 2048:
+        return 1, 8, min(block, 2048)
+    rows = min(triton.next_power_of_2(num_rows), 2048 // block)
+    return rows, max(1, min(8, rows * block // 256)), block
+
+
+def _launch(launch, num_rows: int, n: int) -> tuple[int, int, int, int]:
+    rows, warps, chunk = launch or launch_shape(num_rows, n)
+    return rows, warps, triton.cdiv(n, chunk), chunk
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out=None, launch=None) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * w in FP32 (ATen's CUDA sum order), rounded once to x.dtype."""
+    """x * rsqrt(mean(x^2) + eps) * w in FP32 (`numerics.rms_norm`'s sum), rounded once to x.dtype."""
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous(), f"weight must be [{n}] contiguous"
     if out is None:
@@ -96,11 +116,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out=No
         return out
     x2, o2 = _rows_view(x, n), out.view(-1, n)
     num_rows = x2.shape[0]
-    vec, bw, iters = cuda_sum_config(n, num_rows)
-    rows, warps = launch or _launch_shape(num_rows, bw)
+    rows, warps, nchunk, chunk = _launch(launch, num_rows, n)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        x2, weight, o2, num_rows, n, x2.stride(0), o2.stride(0), eps, mean_factor(n),
-        ROWS=rows, BW=bw, VEC=vec, ITERS=iters, num_warps=warps, **LAUNCH_OPTS)
+        x2, weight, o2, num_rows, n, x2.stride(0), o2.stride(0), eps, numerics.mean_factor(n),
+        ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, num_warps=warps, **LAUNCH_OPTS)
     return out
 
 
@@ -127,12 +146,11 @@ def sublayer_boundary_triton(sublayer_out, residual, post_norm_weight, next_norm
     x2, h2, ho2 = _rows_view(sublayer_out, n), _rows_view(residual, n), h_out.view(-1, n)
     no2 = nxt.view(-1, n) if has_next else ho2
     num_rows = x2.shape[0]
-    vec, bw, iters = cuda_sum_config(n, num_rows)
-    rows, warps = launch or _launch_shape(num_rows, bw)
+    rows, warps, nchunk, chunk = _launch(launch, num_rows, n)
     _boundary_kernel[(triton.cdiv(num_rows, rows),)](
         x2, h2, post_norm_weight, next_norm_weight if has_next else post_norm_weight, ho2, no2, num_rows, n,
-        x2.stride(0), h2.stride(0), ho2.stride(0), no2.stride(0), eps, mean_factor(n), x_scale, r_scale,
-        HAS_NEXT=has_next, ROWS=rows, BW=bw, VEC=vec, ITERS=iters, num_warps=warps, **LAUNCH_OPTS)
+        x2.stride(0), h2.stride(0), ho2.stride(0), no2.stride(0), eps, numerics.mean_factor(n), x_scale, r_scale,
+        HAS_NEXT=has_next, ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, num_warps=warps, **LAUNCH_OPTS)
     return h_out, nxt
 
 

@@ -23,8 +23,18 @@ def _output_gate_kernel(a_ptr, g_ptr, b_ptr, o_ptr, H, D, s_at, s_ah, s_gt, s_gh
     tl.store(o_ptr + t * s_ot + h * s_oh + d, (a * s).to(dt), mask=m)
 
 
-def output_gate_triton(attn: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor, *, out=None) -> torch.Tensor:
-    """g = round(gate + bias); s = round(sigmoid(g)); out = round(attn * s), each in FP32 (bit-exact)."""
+def gate_launch_shape(tokens: int, heads: int, head_dim_p2: int) -> tuple[int, int]:
+    """(heads per program, warps): 2048 elements per program at prefill, 1024 at decode sizes so a
+    handful of tokens still spreads over many SMs (latency-bound there); `bench_kernels.py --tune`."""
+    elems = 2048 if tokens > 64 else 1024
+    return min(triton.next_power_of_2(heads), max(1, elems // head_dim_p2)), 4
+
+
+def output_gate_triton(attn: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor, *, out=None,
+                       launch=None) -> torch.Tensor:
+    """g = round(gate + bias); s = round(sigmoid(g)); out = round(attn * s), each in FP32 (bit-exact).
+
+    `launch=(heads per program, warps)` overrides `gate_launch_shape` (the benchmark tunes it)."""
     assert attn.dim() == 3 and gate.shape == attn.shape, f"attn/gate must be [T, H, D]; got {attn.shape}, {gate.shape}"
     assert attn.stride(2) == 1 and gate.stride(2) == 1, "head_dim must be contiguous"
     assert gate.dtype == attn.dtype and gate_bias.shape == (attn.shape[1],) and gate_bias.is_contiguous()
@@ -35,10 +45,10 @@ def output_gate_triton(attn: torch.Tensor, gate: torch.Tensor, gate_bias: torch.
     if out.numel() == 0:
         return out
     d_p = triton.next_power_of_2(head_dim)
-    bh = min(triton.next_power_of_2(heads), max(1, 4096 // d_p))
+    bh, warps = launch or gate_launch_shape(tokens, heads, d_p)
     _output_gate_kernel[(tokens, triton.cdiv(heads, bh))](
         attn, gate, gate_bias, out, heads, head_dim, attn.stride(0), attn.stride(1), gate.stride(0), gate.stride(1),
-        out.stride(0), out.stride(1), BH=bh, D_P=d_p, num_warps=4, **LAUNCH_OPTS)
+        out.stride(0), out.stride(1), BH=bh, D_P=d_p, num_warps=warps, **LAUNCH_OPTS)
     return out
 
 

@@ -11,23 +11,26 @@ import torch
 from beam_rl import numerics
 
 from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
-from .reduce_order import _sumsq_cuda_order, cuda_sum_config, mean_factor
 
 _NORM, _ROPE, _SSMAX = 0, 1, 2
 
 
 @triton.jit
-def _normalize_rotate(src, stride_h, nh, inv, w_ptr, cs_row, scale, dst, dst_stride_h, half,
+def _normalize_rotate(src, stride_h, nh, w_ptr, cs_row, scale, dst, dst_stride_h, half, factor, eps,
                       NP: tl.constexpr, HALF_P: tl.constexpr, MODE: tl.constexpr):
-    """Normalise NP heads (inv [NP]) and apply MODE (0 norm, 1 RoPE, 2 SSMax); store; return both halves."""
+    """RMSNorm NP heads of one token and apply MODE (0 norm, 1 RoPE, 2 SSMax); store; return both halves.
+
+    Each head is read once, as its two halves; sum of squares as `numerics.sum_of_squares` (FP64)."""
     h = tl.arange(0, NP)[:, None]
     d = tl.arange(0, HALF_P)[None, :]
     dm = d < half
     m = (h < nh) & dm
-    inv2 = inv[:, None]
     dt = dst.dtype.element_ty
     x1 = tl.load(src + h * stride_h + d, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + h * stride_h + half + d, mask=m, other=0.0).to(tl.float32)
+    ss = tl.sum((x1 * x1).to(tl.float64), axis=1, keep_dims=True) + tl.sum((x2 * x2).to(tl.float64), axis=1,
+                                                                            keep_dims=True)
+    inv2 = libdevice.rsqrt(ss.to(tl.float32) * factor + eps)
     w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + half + d, mask=dm, other=0.0).to(tl.float32)
     y1 = ((x1 * inv2) * w1).to(dt)
@@ -56,8 +59,7 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_kot,
     stride_koh, stride_cs, stride_cb, stride_co, stride_ch, block_size, H, KV, D, eps, factor,
     ROPE: tl.constexpr, QMODE: tl.constexpr, KMODE: tl.constexpr, WRITE_CACHE: tl.constexpr, HP: tl.constexpr, KVP: tl.constexpr, HALF_P: tl.constexpr,
-    D_P: tl.constexpr, QBW: tl.constexpr, QVEC: tl.constexpr, QITERS: tl.constexpr, KBW: tl.constexpr,
-    KVEC: tl.constexpr, KITERS: tl.constexpr,
+    D_P: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
@@ -68,17 +70,10 @@ def _qk_norm_rope_kernel(
     else:
         scale = tl.load(ssmax_ptr + pos)
 
-    hq = tl.arange(0, HP)[:, None, None]
-    ssq = _sumsq_cuda_order(q_ptr + t * stride_qt, hq * stride_qh, hq < H, D, HP, QBW, QVEC, QITERS)
-    invq = libdevice.rsqrt(ssq * factor + eps)
-    _normalize_rotate(q_ptr + t * stride_qt, stride_qh, H, invq, qw_ptr, cs_row, scale, qo_ptr + t * stride_qot,
-                      stride_qoh, half, HP, HALF_P, QMODE)
-
-    hk = tl.arange(0, KVP)[:, None, None]
-    ssk = _sumsq_cuda_order(k_ptr + t * stride_kt, hk * stride_kh, hk < KV, D, KVP, KBW, KVEC, KITERS)
-    invk = libdevice.rsqrt(ssk * factor + eps)
-    k1, k2 = _normalize_rotate(k_ptr + t * stride_kt, stride_kh, KV, invk, kw_ptr, cs_row, scale,
-                               ko_ptr + t * stride_kot, stride_koh, half, KVP, HALF_P, KMODE)
+    _normalize_rotate(q_ptr + t * stride_qt, stride_qh, H, qw_ptr, cs_row, scale, qo_ptr + t * stride_qot,
+                      stride_qoh, half, factor, eps, HP, HALF_P, QMODE)
+    k1, k2 = _normalize_rotate(k_ptr + t * stride_kt, stride_kh, KV, kw_ptr, cs_row, scale,
+                               ko_ptr + t * stride_kot, stride_koh, half, factor, eps, KVP, HALF_P, KMODE)
 
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t)
@@ -104,7 +99,7 @@ def _check_heads(x: torch.Tensor, name: str, tokens: int, head_dim: int) -> None
 def qk_norm_rope_ssmax_triton(q, k, q_norm_weight, k_norm_weight, positions, eps, cos_sin_cache=None,
                               ssmax_cache=None, *, v=None, kv_cache=None, slot_mapping=None, q_out=None, k_out=None,
                               num_warps=None):
-    """Q/K RMSNorm (ATen sum order) then RoPE or SSMax in FP32, rounded once; bit-exact to the reference.
+    """Q/K RMSNorm (FP64 sum of squares) then RoPE or SSMax in FP32, rounded once; bit-exact to the reference.
 
     With `kv_cache` [2, blocks, block_size, KV, D] and `slot_mapping` [T] (slot = block * block_size +
     offset, -1 = skip) also writes the rotated K and the given V there."""
@@ -138,8 +133,6 @@ def qk_norm_rope_ssmax_triton(q, k, q_norm_weight, k_norm_weight, positions, eps
     assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.stride(2) == 1 and k_out.stride(2) == 1
     if tokens == 0:
         return q_out, k_out
-    qvec, qbw, qiters = cuda_sum_config(head_dim, tokens * num_heads)
-    kvec, kbw, kiters = cuda_sum_config(head_dim, tokens * num_kv)
     table = cos_sin_cache if rope else ssmax_cache
     kc = kv_cache[0] if write_cache else k_out
     vc = kv_cache[1] if write_cache else k_out
@@ -154,10 +147,9 @@ def qk_norm_rope_ssmax_triton(q, k, q_norm_weight, k_norm_weight, positions, eps
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_sin_cache.stride(0) if rope else 0, cstr[0], cstr[1], cstr[2],
-        kv_cache.shape[2] if write_cache else 1, num_heads, num_kv, head_dim, eps, mean_factor(head_dim),
+        kv_cache.shape[2] if write_cache else 1, num_heads, num_kv, head_dim, eps, numerics.mean_factor(head_dim),
         ROPE=rope, QMODE=_ROPE if rope else _SSMAX, KMODE=_ROPE if rope else _NORM, WRITE_CACHE=write_cache, HP=hp, KVP=triton.next_power_of_2(num_kv),
         HALF_P=triton.next_power_of_2(head_dim // 2), D_P=triton.next_power_of_2(head_dim),
-        QBW=qbw, QVEC=qvec, QITERS=qiters, KBW=kbw, KVEC=kvec, KITERS=kiters,
         num_warps=num_warps, **LAUNCH_OPTS)
     return q_out, k_out
 

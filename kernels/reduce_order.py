@@ -1,9 +1,10 @@
 """PyTorch's CUDA summation order for an FP32 reduction over a contiguous last dim, emulated.
 
-`x.pow(2).mean(-1)` in the references is summed by ATen's `Reduce.cuh` kernel, whose order depends on
-the row length N and the number of rows R (the launch configuration is picked from both). A kernel
-that sums in any other order differs from the reference in the last FP32 bit of the mean for some
-rows, and that flips ~1 in 10^5 BF16 outputs. So our kernels sum in exactly that order:
+Used by the router's top-k renormalisation (`w / w.sum(-1)` over the top_k gate weights in
+`routing.gate_weights`), which is summed by ATen's `Reduce.cuh` kernel, whose order depends on the
+row length N and the number of rows R (the launch configuration is picked from both). A kernel that
+sums in any other order can differ from the reference in the last FP32 bit. (The norms no longer
+need this: `numerics.sum_of_squares` sums in FP64, which is order-free.) The emulated order:
 
 - config (`setReduceConfig`): rows of 128 or more are read as 4-wide vectors (vec=4, dim0 = N/4),
   else element by element (vec=1, dim0 = N); block width bw = min(p2(dim0), 512 / min(p2(R), 512/32))
@@ -12,7 +13,6 @@ rows, and that flips ~1 in 10^5 BF16 outputs. So our kernels sum in exactly that
   vec=4: 4t + 4bw*i + j, vec=1: t + bw*(4i + j); then ((a0 + a1) + a2) + a3;
 - block_x_reduce: halving, c[t] += c[t + off] for off = bw/2, bw/4, ..., 1 (shared memory above a
   warp, shuffles inside it); lane 0 holds the sum;
-- mean = sum * fl(1/N).
 Read off torch 2.11 on an H200 (scripts/diag_sum_order.py brute-forces the candidate orders against
 `x.pow(2).mean(-1)`; older releases vectorised only above 128 and paired adjacent warp lanes).
 Configurations the emulation does not model (a warp split, when N / bw >= 256 or >= 16 * block
@@ -72,11 +72,6 @@ def cuda_order_sum(x: torch.Tensor) -> torch.Tensor:
     return c[:, 0]
 
 
-def mean_factor(n: int) -> float:
-    """ATen's mean scale: float(outputs) / numel, i.e. fl32(1 / n)."""
-    return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(n), dtype=torch.float32))
-
-
 @triton.jit
 def _combine4(acc, ROWS: tl.constexpr, BW: tl.constexpr):
     """((a0 + a1) + a2) + a3 over the last axis of acc [ROWS, BW, 4] -> [ROWS, BW]."""
@@ -110,28 +105,3 @@ def _block_x_tree(c, ROWS: tl.constexpr, BW: tl.constexpr):
     if BW >= 2:
         c = tl.sum(tl.reshape(c, [ROWS, 2, 1]), axis=1)
     return tl.reshape(c, [ROWS])
-
-
-@triton.jit
-def _tile_offsets(BW: tl.constexpr, VEC: tl.constexpr):
-    """[1, BW, 4] element offsets of one iteration of ATen's thread loop (add i * 4 * BW)."""
-    t = tl.arange(0, BW)[None, :, None]
-    j = tl.arange(0, 4)[None, None, :]
-    if VEC == 4:
-        off = 4 * t + j
-    else:
-        off = t + BW * j
-    return off
-
-
-@triton.jit
-def _sumsq_cuda_order(ptr, row_off, row_ok, n, ROWS: tl.constexpr, BW: tl.constexpr, VEC: tl.constexpr,
-                      ITERS: tl.constexpr):
-    """sum(x^2) of rows ptr + row_off [ROWS, 1, 1] (length n, unit stride) in ATen's CUDA order -> [ROWS]."""
-    off = _tile_offsets(BW, VEC)
-    acc = tl.zeros([ROWS, BW, 4], dtype=tl.float32)
-    for i in range(ITERS):
-        e = i * 4 * BW + off
-        v = tl.load(ptr + row_off + e, mask=row_ok & (e < n), other=0.0).to(tl.float32)
-        acc += v * v
-    return _block_x_tree(_combine4(acc, ROWS, BW), ROWS, BW)

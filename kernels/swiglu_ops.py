@@ -26,10 +26,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.view(-1, x.shape[-1])
 
 
-def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, out=None, launch=None) -> torch.Tensor:
     """Compute SiLU and multiplication in FP32, rounding only the product (bit-exact to the reference).
 
-    `up=None` takes a packed gate_up [..., 2F] (gate first), as one GEMM of [gate; up] produces it."""
+    `up=None` takes a packed gate_up [..., 2F] (gate first), as one GEMM of [gate; up] produces it.
+    `launch=(block, warps)` overrides the default (the benchmark tunes it)."""
     if up is None:
         assert gate.shape[-1] % 2 == 0, "packed gate_up needs an even last dim"
         width = gate.shape[-1] // 2
@@ -47,9 +48,11 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, o
     if out.numel() == 0:
         return out
     o2 = out.view(-1, width)
-    block = min(2048, triton.next_power_of_2(width))
+    # 2048 x 4 warps at prefill, 1024 x 8 warps at decode sizes (`bench_kernels.py --tune`)
+    block, warps = launch or ((2048, 4) if o2.shape[0] > 64 else (1024, 8))
+    block = min(block, triton.next_power_of_2(width))
     _silu_and_mul_kernel[(o2.shape[0], triton.cdiv(width, block))](
-        g2, u2, o2, width, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=4, **LAUNCH_OPTS)
+        g2, u2, o2, width, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=warps, **LAUNCH_OPTS)
     return out
 
 

@@ -8,6 +8,8 @@ reference. The FP32 router is timed at 1-64 tokens against cuBLAS FP32 GEMM + Py
 in CUDA graphs. Prints a table last; writes JSON rows to $OUT/kernels.json (or --out).
 
     python scripts/bench_kernels.py [--only k1,k2,...] [--tune] [--out PATH]
+
+`--tune` first sweeps the launch shapes of the memory-bound kernels (what picked their defaults).
 """
 
 import argparse
@@ -74,6 +76,23 @@ def frac_differing(a, b):
 
 
 # ---- cases: each returns (ours, reference, bytes moved) -----------------------------------------------
+# The norm cases also register FP32_FORMULA[kernel]: the same operation with the sum of squares in FP32
+# (`x.float().pow(2).mean(-1)`, beam-rl's reference before 2026-12-01 and what most PyTorch code writes).
+# torch.compile of it is timed as a second baseline (`compile_fp32_us`): inductor makes the FP64 sum of
+# the reference slower than an FP32 one, and the FP32 formula is the baseline a user would compare to.
+FP32_FORMULA = {}
+
+
+def fp32_rms_norm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.float()).to(x.dtype)
+
+
+def fp32_boundary(x, h, wp, wn, add_index):
+    r_scale, x_scale = numerics.residual_scales(add_index)
+    a = (fp32_rms_norm(x, wp).float() * x_scale).to(x.dtype)
+    hn = (a.float() + (h.float() * r_scale).to(x.dtype).float()).to(x.dtype)
+    return hn, fp32_rms_norm(hn, wn)
 
 
 def case_boundary(t):
@@ -81,11 +100,13 @@ def case_boundary(t):
     wp, wn = (1 + 0.2 * torch.randn(2, HIDDEN, device=DEV)).to(BF16)
     ours = lambda: boundary_ops.sublayer_boundary_triton(x, h, wp, wn, 37, EPS)  # noqa: E731
     ref = lambda: numerics.sublayer_boundary(x, h, wp, wn, 37, EPS)  # noqa: E731
+    FP32_FORMULA["boundary"] = lambda: fp32_boundary(x, h, wp, wn, 37)
     return ours, ref, 4 * t * HIDDEN * 2 + 2 * HIDDEN * 2
 
 
 def case_rms_norm(t):
     x, w = torch.randn(t, HIDDEN, device=DEV).to(BF16), (1 + 0.2 * torch.randn(HIDDEN, device=DEV)).to(BF16)
+    FP32_FORMULA["rms_norm"] = lambda: fp32_rms_norm(x, w)
     return (lambda: boundary_ops.rms_norm_triton(x, w, EPS)), (lambda: numerics.rms_norm(x, w, EPS)), \
         2 * t * HIDDEN * 2 + HIDDEN * 2
 
@@ -110,6 +131,10 @@ def case_qk(t, rope=True, cache=False):
     if not cache:
         ours = lambda: qk_norm_rope_ops.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, **tables)  # noqa: E731
         ref = lambda: numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, **tables)  # noqa: E731
+        if rope:
+            cs = tables["cos_sin_cache"]
+            FP32_FORMULA["qk_norm_rope"] = lambda: (numerics.apply_rope(fp32_rms_norm(q, qw), pos, cs),
+                                                    numerics.apply_rope(fp32_rms_norm(k, kw), pos, cs))
         return ours, ref, nbytes
     block_size = 16
     blocks = t // block_size + 2
@@ -174,6 +199,7 @@ KERNELS = {
 
 def run_case(kernel, size, tokens, make, copy_bw, decode):
     torch.manual_seed(hash((kernel, tokens)) % 2**31)
+    FP32_FORMULA.pop(kernel, None)
     ours, ref, nbytes = make()
     out_ours, out_ref = ours(), ref()
     exact = same_bits(out_ours, out_ref) if not kernel.startswith("router") else \
@@ -197,26 +223,72 @@ def run_case(kernel, size, tokens, make, copy_bw, decode):
     row["bandwidth_fraction"] = nbytes / (row["time_us"] * 1e-6) / copy_bw
     row["speedup_vs_eager"] = row["eager_us"] / row["time_us"]
     row["speedup_vs_compile"] = row["compile_us"] / row["time_us"]
+    if kernel in FP32_FORMULA:
+        fp32_compiled = torch.compile(FP32_FORMULA[kernel], dynamic=False)
+        row["compile_fp32_differing_fraction"] = frac_differing(fp32_compiled(), out_ref)
+        row["compile_fp32_us"] = graph_bench(fp32_compiled) if decode else bench(fp32_compiled)
+        row["speedup_vs_compile_fp32"] = row["compile_fp32_us"] / row["time_us"]
     return row
 
 
+NORM_LAUNCHES = [(1, 4, 1024), (1, 8, 1024), (1, 4, 2048), (1, 8, 2048), (1, 16, 2048), (1, 4, 8192), (1, 8, 8192),
+                 (2, 8, 1024), (2, 8, 2048), (2, 16, 2048)]  # (rows per program, warps, chunk)
+
+
 def tune(copy_bw):
-    print("== tuning ==", flush=True)
-    for name, make in (("boundary", case_boundary), ("rms_norm", case_rms_norm)):
-        x_fn, _, nbytes = make(PREFILL)
-        fn = boundary_ops.sublayer_boundary_triton if name == "boundary" else boundary_ops.rms_norm_triton
-        for launch in ((1, 1), (2, 2), (4, 4), (4, 2), (8, 8), (8, 4)):
-            torch.manual_seed(0)
-            x = torch.randn(PREFILL, HIDDEN, device=DEV).to(BF16)
-            w = torch.ones(HIDDEN, device=DEV, dtype=BF16)
-            call = (lambda: fn(x, x, w, w, 5, EPS, launch=launch)) if name == "boundary" else \
-                (lambda: fn(x, w, EPS, launch=launch))
-            t = bench(call)
-            print(f"tune {name} prefill launch={launch}: {t:8.1f} us  bw {nbytes / (t * 1e-6) / copy_bw:.3f}", flush=True)
-    for t_ in DECODE:
-        for split in (None, 8, 20, 40, 80):
-            ours, _, _ = case_router(t_, "router_5120x256", split_k=split)
-            print(f"tune router T={t_} split_k={split}: graph {graph_bench(ours):6.2f} us", flush=True)
+    """Sweep each kernel's launch shape at every size (bits checked against the reference per shape)."""
+    print("== tuning (launch shapes; decode sizes as CUDA-graph replays) ==", flush=True)
+    sweeps = {
+        "boundary": (lambda x, h, w, launch: boundary_ops.sublayer_boundary_triton(x, h, w, w, 37, EPS, launch=launch),
+                     lambda x, h, w: numerics.sublayer_boundary(x, h, w, w, 37, EPS),
+                     NORM_LAUNCHES, 4),
+        "rms_norm": (lambda x, h, w, launch: boundary_ops.rms_norm_triton(x, w, EPS, launch=launch),
+                     lambda x, h, w: numerics.rms_norm(x, w, EPS), NORM_LAUNCHES, 2),
+    }
+    for name, (fn, ref, launches, passes) in sweeps.items():
+        for t in DECODE + [PREFILL]:
+            x = (3 * torch.randn(t, HIDDEN, device=DEV)).to(BF16)
+            h = torch.randn(t, HIDDEN, device=DEV).to(BF16)
+            w = (1 + 0.2 * torch.randn(HIDDEN, device=DEV)).to(BF16)
+            want = ref(x, h, w)
+            nbytes = passes * t * HIDDEN * 2
+            for launch in launches:
+                call = lambda launch=launch: fn(x, h, w, launch)  # noqa: E731
+                exact = same_bits(call(), want)
+                us = graph_bench(call) if t != PREFILL else bench(call)
+                print(f"tune {name:12} T={t:5d} launch={launch}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
+                      f"  exact {exact}", flush=True)
+    for t in DECODE + [PREFILL]:
+        q, k, v, g, qw, kw, pos = _qkv(t)
+        cs = numerics.rope_cos_sin_cache(32768, HEAD_DIM, 10000.0).to(DEV)
+        want = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None)
+        for warps in (1, 2, 4, 8, 16):
+            call = lambda warps=warps: qk_norm_rope_ops.qk_norm_rope_ssmax_triton(  # noqa: E731
+                q, k, qw, kw, pos, EPS, cs, None, num_warps=warps)
+            exact = same_bits(call(), want)
+            us = graph_bench(call) if t != PREFILL else bench(call)
+            nbytes = 2 * t * (HEADS + KV) * HEAD_DIM * 2
+            print(f"tune qk_norm_rope T={t:5d} warps={warps}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
+                  f"  exact {exact}", flush=True)
+        attn = torch.randn(t, HEADS, HEAD_DIM, device=DEV).to(BF16)
+        bias = torch.randn(HEADS, device=DEV).to(BF16)
+        want = numerics.output_gate(attn, g, bias)
+        for launch in ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)):
+            call = lambda launch=launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch)  # noqa: E731
+            exact = same_bits(call(), want)
+            us = graph_bench(call) if t != PREFILL else bench(call)
+            nbytes = 3 * t * HEADS * HEAD_DIM * 2
+            print(f"tune output_gate  T={t:5d} launch={launch}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
+                  f"  exact {exact}", flush=True)
+        gu = (3 * torch.randn(t, 2 * D_FF, device=DEV)).to(BF16)
+        want = numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:])
+        for launch in ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)):
+            call = lambda launch=launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch)  # noqa: E731
+            exact = same_bits(call(), want)
+            us = graph_bench(call) if t != PREFILL else bench(call)
+            nbytes = 3 * t * D_FF * 2
+            print(f"tune silu_and_mul T={t:5d} launch={launch}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
+                  f"  exact {exact}", flush=True)
 
 
 def _dump(path, rows):
@@ -257,12 +329,13 @@ def main():
     print(json.dumps(meta))
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; decode rows timed as CUDA-graph replays, prefill with do_bench")
     hdr = f"{'kernel':18} {'size':>7} {'ours us':>9} {'eager us':>9} {'comp us':>9} {'x eager':>8} {'x comp':>7} " \
-          f"{'BW frac':>7} {'exact':>5} {'comp exact':>10}"
+          f"{'BW frac':>7} {'exact':>5} {'comp exact':>10} {'comp32 us':>9} {'x comp32':>8}"
     print(hdr)
     for r in rows:
+        fp32 = f"{r['compile_fp32_us']:9.2f} {r['speedup_vs_compile_fp32']:8.2f}" if "compile_fp32_us" in r else ""
         print(f"{r['kernel']:18} {r['size']:>7} {r['time_us']:9.2f} {r['eager_us']:9.2f} {r['compile_us']:9.2f} "
               f"{r['speedup_vs_eager']:8.2f} {r['speedup_vs_compile']:7.2f} {r['bandwidth_fraction']:7.3f} "
-              f"{str(r['exact']):>5} {str(r['compile_exact']):>10}")
+              f"{str(r['exact']):>5} {str(r['compile_exact']):>10} {fp32}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """CPU tests of beam_rl.kernels: the dispatchers route to the references, the packing helper round-trips,
-the ATen sum-order emulation is a plain FP32 sum in a fixed order, and the router kernels' FP64 GEMM
-gives the reference logits bit for bit in Triton's CPU interpreter. The Triton paths are tested on
+the ATen sum-order emulation is a plain FP32 sum in a fixed order, the FP64 sum of squares does not
+depend on the order, and in Triton's CPU interpreter the norm kernels compute the reference's
+arithmetic and the router kernels' FP64 GEMM gives the reference logits bit for bit. The Triton paths are tested on
 the GPU (tests/gpu/test_kernels_gpu.py)."""
 
 import os
@@ -14,7 +15,7 @@ import torch
 
 import beam_rl.kernels as K
 from beam_rl import numerics, routing
-from beam_rl.kernels.reduce_order import cuda_order_sum, cuda_sum_config, mean_factor
+from beam_rl.kernels.reduce_order import cuda_order_sum, cuda_sum_config
 
 EPS = 1e-6
 
@@ -64,6 +65,66 @@ def test_router_dispatch(hidden, experts, n_group, topk_group, top_k):
     assert torch.equal(wts, ref[0]) and torch.equal(ids, ref[1])
     rw, rids = K.replay(x, w, ids, routed_scaling_factor=2.5)
     assert torch.equal(rw, wts) and torch.equal(rids, ids)
+
+
+@pytest.mark.parametrize("rows,n", [(2048, 5120), (4096, 128), (64, 6144)])
+def test_sum_of_squares_is_order_free(rows, n):
+    """numerics.sum_of_squares gives the same FP32 bits whatever order its FP64 sum runs in (columns
+    reversed, permuted, summed in 40 partial sums as a split kernel would); an FP32 sum does not."""
+    torch.manual_seed(rows + n)
+    x = (torch.randn(rows, n) * torch.rand(rows, 1) * 4).to(torch.bfloat16).float()
+    ref = numerics.sum_of_squares(x)
+    perm = torch.randperm(n)
+    assert torch.equal(numerics.sum_of_squares(x.flip(-1)), ref)
+    assert torch.equal(numerics.sum_of_squares(x[:, perm]), ref)
+    sq = (x * x).double()
+    split = torch.stack([c.sum(-1) for c in sq.tensor_split(40, dim=-1)], -1).sum(-1, keepdim=True).float()
+    assert torch.equal(split, ref)
+    fp32_orders = (x * x).sum(-1, keepdim=True) != (x[:, perm] * x[:, perm]).sum(-1, keepdim=True)
+    assert bool(fp32_orders.any()), "an FP32 sum should depend on the order (else this test shows nothing)"
+
+
+_INTERPRETED_NORMS = textwrap.dedent("""
+    import torch
+    from beam_rl import numerics
+    from beam_rl.kernels import boundary_ops as B, qk_norm_rope_ops as Q
+
+    torch.manual_seed(0)
+    EPS, DT = 1e-6, torch.float32  # FP32 activations: the interpreter casts FP32 -> BF16 by truncation
+    for rows, n in [(1, 5120), (3, 200), (33, 128), (5, 64), (2, 6144)]:
+        x, h = 3 * torch.randn(rows, n), torch.randn(rows, n)
+        w1, w2 = 1 + 0.2 * torch.randn(n), 1 + 0.2 * torch.randn(n)
+        out = torch.full_like(x, float("nan"))
+        B.rms_norm_triton(x, w1, EPS, out=out)
+        assert torch.equal(out, numerics.rms_norm(x, w1, EPS)), ("rms_norm", rows, n)
+        ref_h, ref_n = numerics.sublayer_boundary(x, h, w1, w2, 7, EPS)
+        for launch in (None, (2, 1, 128), (4, 4, 8192)):  # chunked walks and one whole-row chunk
+            got = (torch.full_like(x, float("nan")), torch.full_like(x, float("nan")))
+            B.sublayer_boundary_triton(x, h, w1, w2, 7, EPS, out=got, launch=launch)
+            assert torch.equal(got[0], ref_h) and torch.equal(got[1], ref_n), ("boundary", rows, n, launch)
+    T, H, KV, D = 5, 6, 2, 32
+    q, k, v = 2 * torch.randn(T, H, D), torch.randn(T, KV, D), torch.randn(T, KV, D)
+    qw, kw = 1 + 0.2 * torch.randn(D), 1 + 0.2 * torch.randn(D)
+    pos = torch.tensor([0, 3, 9, 1, 2])
+    for cs, ss in ((numerics.rope_cos_sin_cache(16, D, 10000.0), None), (None, numerics.ssmax_scale_cache(16))):
+        got = Q.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, ss)
+        ref = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, ss)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), ("qk", cs is None)
+    print("norms interpreted ok")
+""")
+
+
+def test_norm_kernels_interpreted_compute_the_reference_arithmetic():
+    """rms_norm, the boundary (several launch shapes) and Q/K norm + RoPE/SSMax under TRITON_INTERPRET=1
+    equal `beam_rl.numerics` bit for bit with FP32 activations (the arithmetic: FP32 squares, FP64 sums,
+    FP32 scale, rsqrt and products). The BF16 rounding points are checked on the GPU, because the
+    interpreter rounds FP32 -> BF16 towards zero."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_NORMS], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "norms interpreted ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
 
 
 # Triton's interpreter must be switched on before triton is first imported, hence a child process.
@@ -192,4 +253,4 @@ def test_sum_config_matches_aten_launch_rules():
     assert cuda_sum_config(8, 64) == (1, 8, 1)
     with pytest.raises(NotImplementedError):
         cuda_sum_config(8192, 64)
-    assert mean_factor(5120) == float(torch.tensor(1 / 5120, dtype=torch.float32))
+    assert numerics.mean_factor(5120) == float(torch.tensor(1 / 5120, dtype=torch.float32))

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from beam_rl.kernels import boundary_ops, gate_ops, qk_norm_rope_ops, router_ops, swiglu_ops  # noqa: E402
-from beam_rl.kernels.reduce_order import cuda_order_sum, mean_factor  # noqa: E402
+from beam_rl.kernels.reduce_order import cuda_order_sum  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -36,14 +36,15 @@ def weight(n, dtype=BF16):
     return (1.0 + 0.2 * torch.randn(n, device=DEV)).to(dtype)
 
 
-# ATen's summation order, checked directly: the Python emulation vs torch's own CUDA mean.
+# ATen's summation order (the router's renormalisation follows it), checked directly: the Python
+# emulation vs torch's own CUDA mean.
 @pytest.mark.parametrize("rows,n", [(1, 5120), (2, 5120), (5, 5120), (9, 5120), (16, 5120), (333, 5120),
                                     (1, 6144), (64, 6144), (1, 1024), (7, 1024), (4096, 1024), (1, 128),
                                     (8, 128), (48, 128), (16384, 128), (3, 64), (40, 32), (1, 8), (64, 8), (5, 4)])
 def test_aten_sum_order(rows, n):
     x = torch.randn(rows, n, device=DEV) * torch.rand(rows, 1, device=DEV) * 4
     sq = x.pow(2)
-    assert_bits(cuda_order_sum(sq) * mean_factor(n), sq.mean(dim=-1), f"mean order {rows}x{n}")
+    assert_bits(cuda_order_sum(sq) * numerics.mean_factor(n), sq.mean(dim=-1), f"mean order {rows}x{n}")
 
 
 SHAPES = [(1, 5120), (7, 5120), (333, 5120), ((8, 2048), 5120), (1, 6144), (64, 6144), (1, 1024), (333, 1024),
@@ -81,6 +82,25 @@ def test_sublayer_boundary(tokens, n, has_next):
 
 QK_SHAPES = [(1, 48, 8, 128), (7, 48, 8, 128), (333, 16, 4, 128), (16384, 48, 8, 128), (5, 6, 2, 32),
              (9, 8, 2, 64), (3, 4, 1, 96)]
+
+
+LAUNCHES = [(1, 4, 1024), (1, 8, 1024), (1, 8, 2048), (1, 8, 8192), (1, 16, 8192), (2, 8, 1024), (4, 16, 512)]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_boundary_launch_shapes_agree(launch):
+    """Every launch shape the benchmark tunes over gives the reference bits (the FP64 sum is order-free)."""
+    x = (3 * torch.randn(333, 5120, device=DEV)).to(BF16)
+    h = torch.randn(333, 5120, device=DEV).to(BF16)
+    wp, wn = weight(5120), weight(5120)
+    out = (poisoned(x.shape), poisoned(x.shape))
+    boundary_ops.sublayer_boundary_triton(x, h, wp, wn, 9, EPS, out=out, launch=launch)
+    ref_h, ref_n = numerics.sublayer_boundary(x, h, wp, wn, 9, EPS)
+    assert_bits(out[0], ref_h, f"residual' {launch}")
+    assert_bits(out[1], ref_n, f"next input {launch}")
+    got = poisoned(x.shape)
+    boundary_ops.rms_norm_triton(x, wp, EPS, out=got, launch=launch)
+    assert_bits(got, numerics.rms_norm(x, wp, EPS), f"rms_norm {launch}")
 
 
 def _packed_qkvg(tokens, heads, kv, d):
