@@ -10,7 +10,9 @@
 
 Batch-1 decode: ms per step from (t(1 + N tokens) - t(1 token)) / N; prefill: 8 x 2048-token
 prompts, one output token, prefix caching off. Medians of --repeats runs. Each build runs in its
-own process. Also reports whether fused and eager builds produce identical greedy tokens and
+own process, with vLLM's engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0). One more
+profiled pass per build measures GPU time (kernels and copies) and kernels per step: at beam-mini
+size a decode step's wall time is mostly vLLM's host work, which no kernel changes. Also reports whether fused and eager builds produce identical greedy tokens and
 log-probs (they share the numerics contract; compiled PyTorch may re-round).
 """
 
@@ -68,11 +70,32 @@ def run_build(args) -> dict:
     long_prompts = [[(i * 31 + j * 17) % vocab for i in range(args.prefill_len)] for j in range(8)]
     timed(long_prompts, 1)
     prefill = [timed(long_prompts, 1) * 1e3 for _ in range(args.repeats)]
+    gpu = {}
+    if args.gpu_time:  # one more pass of each, under the profiler (it slows the wall clock, not the kernels)
+        one, full = gpu_time(lambda: timed([prompt], 1)), gpu_time(lambda: timed([prompt], 1 + n))
+        pre = gpu_time(lambda: timed(long_prompts, 1))
+        gpu = dict(decode_gpu_ms=(full[0] - one[0]) / n, decode_kernels_per_step=(full[1] - one[1]) / n,
+                   prefill_gpu_ms=pre[0], prefill_kernels=pre[1])
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
     return dict(build=args.build, mode=mode, engine_start_s=start_s, decode_ms=statistics.median(decode),
-                decode_ms_all=decode, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill,
+                decode_ms_all=decode, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+
+
+def gpu_time(fn) -> tuple[float, int]:
+    """(ms of GPU activity, number of kernels/copies) while fn runs, from the torch profiler (CUPTI,
+    which also records the kernels inside CUDA-graph replays). The engine core runs in this process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0, set for every build), so its kernels are seen here."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time_total for e in device) / 1e3, len(device)
 
 
 def main() -> int:
@@ -85,6 +108,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None, help="keep each build's full stdout/stderr here")
     ap.add_argument("--builds", default=",".join(BUILDS), help="comma-separated subset of " + ",".join(BUILDS))
+    ap.add_argument("--no-gpu-time", dest="gpu_time", action="store_false",
+                    help="skip the profiled pass that measures GPU time and kernel count per step")
     args = ap.parse_args()
     if args.build:
         print("RESULT " + json.dumps(run_build(args)), flush=True)
@@ -92,8 +117,11 @@ def main() -> int:
     results, failed = {}, []
     for name in args.builds.split(","):
         env = {**os.environ, **BUILDS[name]["env"]}
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the build's process: the profiler sees it
         cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
                "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len)]
+        if not args.gpu_time:
+            cmd.append("--no-gpu-time")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if args.log_dir:
             os.makedirs(args.log_dir, exist_ok=True)
@@ -131,6 +159,17 @@ def main() -> int:
         print(f"| {name} | {r['decode_ms']:.3f} | {e['decode_ms'] / r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | "
               f"{e['prefill_ms'] / r['prefill_ms']:.2f} |")
     print(f"fused vs compiled: decode {c['decode_ms'] / f['decode_ms']:.2f}x, prefill {c['prefill_ms'] / f['prefill_ms']:.2f}x")
+    if all("decode_gpu_ms" in r for r in results.values()):
+        for key in ("decode_gpu_ms", "prefill_gpu_ms"):
+            summary.update({f"{key}_{name}": r[key] for name, r in results.items()})
+        print("\nGPU time (profiled pass: kernels and copies only, no host overhead)")
+        print("| build | decode GPU ms/step | kernels/step | x vs eager | x vs compiled | prefill GPU ms | x vs eager | x vs compiled |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, r in results.items():
+            print(f"| {name} | {r['decode_gpu_ms']:.3f} | {r['decode_kernels_per_step']:.0f} | "
+                  f"{e['decode_gpu_ms'] / r['decode_gpu_ms']:.2f} | {c['decode_gpu_ms'] / r['decode_gpu_ms']:.2f} | "
+                  f"{r['prefill_gpu_ms']:.1f} | {e['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} | "
+                  f"{c['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} |")
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as fh:

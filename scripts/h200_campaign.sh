@@ -51,7 +51,7 @@ stage_cmd() {
     megatron) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_megatron_gpu.py" ;;
     kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py ${KERNELS_ARGS:-}" ;;
     bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes bf16 lora mxfp8-emulated" ;;
-    bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs" ;;
+    bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs ${BENCH_ROLLOUT_ARGS:-}" ;;
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json ${BENCH_KERNELS_ARGS:-}" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
     gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' WORK=$WORK SOURCES=0 bash $REPO/scripts/gap_h200.sh" ;;
