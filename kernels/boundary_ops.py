@@ -16,9 +16,17 @@ from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
 
 
 @triton.jit
-def _inv_rms(ptr, r, row_ok, stride, n, factor, eps, NCHUNK: tl.constexpr, CHUNK: tl.constexpr):
-    """rsqrt(fl32(sum_fp64(fl32(x^2))) * factor + eps) for rows r [ROWS, 1] of ptr -> FP32 [ROWS, 1]."""
-    acc = tl.zeros(r.shape[:1] + (CHUNK,), dtype=tl.float64)
+def _rsqrt_mean(x, factor, eps):
+    """rsqrt(fl32(sum_fp64(fl32(x^2))) * factor + eps) per row of FP32 x [ROWS, CHUNK] -> [ROWS, 1]."""
+    ss = tl.sum((x * x).to(tl.float64), axis=1, keep_dims=True).to(tl.float32)
+    return libdevice.rsqrt(ss * factor + eps)
+
+
+@triton.jit
+def _inv_rms_walk(ptr, r, row_ok, stride, n, factor, eps, ROWS: tl.constexpr, NCHUNK: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """`_rsqrt_mean` of rows r [ROWS, 1] of ptr, walked in NCHUNK chunks (FP64 lane sums, then a tree)."""
+    acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
     for ci in tl.static_range(NCHUNK):
         c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
         x = tl.load(ptr + r * stride + c, mask=row_ok & (c < n), other=0.0).to(tl.float32)
@@ -28,25 +36,34 @@ def _inv_rms(ptr, r, row_ok, stride, n, factor, eps, NCHUNK: tl.constexpr, CHUNK
 
 
 @triton.jit
+def _load_f32(ptr, off, m):
+    return tl.load(ptr + off, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps, factor,
                      ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
-    inv = _inv_rms(x_ptr, r, row_ok, stride_x, n, factor, eps, NCHUNK, CHUNK)
-    for ci in tl.static_range(NCHUNK):  # second read of the row: from L1/L2, not HBM
-        c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+    dt = out_ptr.dtype.element_ty
+    if NCHUNK == 1:  # the whole row in registers
+        c = tl.arange(0, CHUNK)[None, :]
         m = row_ok & (c < n)
-        x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + c, mask=c < n, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r * stride_o + c, ((x * inv) * w).to(out_ptr.dtype.element_ty), mask=m)
+        x = _load_f32(x_ptr, r * stride_x + c, m)
+        tl.store(out_ptr + r * stride_o + c, ((x * _rsqrt_mean(x, factor, eps)) * _load_f32(w_ptr, c, c < n)).to(dt),
+                 mask=m)
+    else:
+        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK)
+        for ci in tl.static_range(NCHUNK):  # second walk: the row comes from L1/L2, not HBM
+            c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+            m = row_ok & (c < n)
+            x = _load_f32(x_ptr, r * stride_x + c, m)
+            tl.store(out_ptr + r * stride_o + c, ((x * inv) * _load_f32(w_ptr, c, c < n)).to(dt), mask=m)
 
 
 @triton.jit
-def _residual_add(x_ptr, h_ptr, wpost_ptr, r, c, m, n, stride_x, stride_h, inv, x_scale, r_scale, dt):
-    """h' = round(round(round(postnorm(x)) * x_scale) + round(h * r_scale)) on one chunk, as FP32."""
-    x = tl.load(x_ptr + r * stride_x + c, mask=m, other=0.0).to(tl.float32)
-    h = tl.load(h_ptr + r * stride_h + c, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(wpost_ptr + c, mask=c < n, other=0.0).to(tl.float32)
+def _residual_add(x, h, w, inv, x_scale, r_scale, dt):
+    """h' = round(round(round(postnorm(x)) * x_scale) + round(h * r_scale)), returned as FP32."""
     y = ((x * inv) * w).to(dt).to(tl.float32)
     a = (y * x_scale).to(dt).to(tl.float32)
     b = (h * r_scale).to(dt).to(tl.float32)
@@ -60,22 +77,35 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = hout_ptr.dtype.element_ty
-    inv = _inv_rms(x_ptr, r, row_ok, stride_x, n, factor, eps, NCHUNK, CHUNK)
-    acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
-    for ci in tl.static_range(NCHUNK):
-        c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+    if NCHUNK == 1:  # the whole row in registers: each input read once
+        c = tl.arange(0, CHUNK)[None, :]
         m = row_ok & (c < n)
-        hn = _residual_add(x_ptr, h_ptr, wpost_ptr, r, c, m, n, stride_x, stride_h, inv, x_scale, r_scale, dt)
+        x = _load_f32(x_ptr, r * stride_x + c, m)
+        hn = _residual_add(x, _load_f32(h_ptr, r * stride_h + c, m), _load_f32(wpost_ptr, c, c < n),
+                           _rsqrt_mean(x, factor, eps), x_scale, r_scale, dt)
         tl.store(hout_ptr + r * stride_ho + c, hn.to(dt), mask=m)
-        acc += (hn * hn).to(tl.float64)
-    if HAS_NEXT:
-        inv2 = libdevice.rsqrt(tl.sum(acc, axis=1, keep_dims=True).to(tl.float32) * factor + eps)
-        for ci in tl.static_range(NCHUNK):  # h' recomputed from the (cached) inputs: same bits, no barrier
+        if HAS_NEXT:
+            out = (hn * _rsqrt_mean(hn, factor, eps)) * _load_f32(wnext_ptr, c, c < n)
+            tl.store(nout_ptr + r * stride_no + c, out.to(dt), mask=m)
+    else:  # three walks over the row; the second and third read it from L1/L2
+        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK)
+        acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
+        for ci in tl.static_range(NCHUNK):
             c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
             m = row_ok & (c < n)
-            hn = _residual_add(x_ptr, h_ptr, wpost_ptr, r, c, m, n, stride_x, stride_h, inv, x_scale, r_scale, dt)
-            w2 = tl.load(wnext_ptr + c, mask=c < n, other=0.0).to(tl.float32)
-            tl.store(nout_ptr + r * stride_no + c, ((hn * inv2) * w2).to(dt), mask=m)
+            hn = _residual_add(_load_f32(x_ptr, r * stride_x + c, m), _load_f32(h_ptr, r * stride_h + c, m),
+                               _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt)
+            tl.store(hout_ptr + r * stride_ho + c, hn.to(dt), mask=m)
+            acc += (hn * hn).to(tl.float64)
+        if HAS_NEXT:
+            inv2 = libdevice.rsqrt(tl.sum(acc, axis=1, keep_dims=True).to(tl.float32) * factor + eps)
+            for ci in tl.static_range(NCHUNK):  # h' recomputed from the cached inputs: same bits, no barrier
+                c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
+                m = row_ok & (c < n)
+                hn = _residual_add(_load_f32(x_ptr, r * stride_x + c, m), _load_f32(h_ptr, r * stride_h + c, m),
+                                   _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt)
+                out = (hn * inv2) * _load_f32(wnext_ptr, c, c < n)
+                tl.store(nout_ptr + r * stride_no + c, out.to(dt), mask=m)
 
 
 def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -88,16 +118,19 @@ def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def launch_shape(num_rows: int, n: int) -> tuple[int, int, int]:
-    """(rows per program, warps, chunk) for rows of n elements (chosen by `bench_kernels.py --tune`).
+    """(rows per program, warps, chunk) for rows of n elements, from `bench_kernels.py --tune` (H200).
 
-    A row is walked in chunks of `chunk` elements (a power of two; the last chunk masked), twice or
-    three times: the first walk reads it from HBM, the later ones from L1/L2. Narrow rows (beam-tiny,
+    chunk >= n holds whole rows in registers (each input read once): fastest at decode sizes, where
+    the kernel is latency-bound. Above 64 rows wide rows are walked in 1024/2048-element chunks
+    (the later walks hit L1/L2), which keeps more rows resident per SM. Narrow rows (beam-tiny,
     head_dim) are packed several to a program so each still moves a few KiB."""
     block = triton.next_power_of_2(n)
-    if block >= 2048:
-        return 1, 8, min(block, 2048)
-    rows = min(triton.next_power_of_2(num_rows), 2048 // block)
-    return rows, max(1, min(8, rows * block // 256)), block
+    if block < 2048:
+        rows = min(triton.next_power_of_2(num_rows), 2048 // block)
+        return rows, max(1, min(8, rows * block // 256)), block
+    if num_rows <= 64:
+        return 1, 16, block
+    return 1, 4, 1024 if block > 4096 else block
 
 
 def _launch(launch, num_rows: int, n: int) -> tuple[int, int, int, int]:
