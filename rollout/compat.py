@@ -25,19 +25,29 @@ def check_version() -> None:
         )
 
 
-def parameter_names(model, loaded: set[str]) -> set[str]:
+def _spelled(name: str, names: set[str]) -> str | None:
+    if name in names:
+        return name
+    head, _, tail = name.rpartition(".")
+    return next((f"{head}.{wrapper}.{tail}" for wrapper in ("routed_experts", "base_layer")
+                 if f"{head}.{wrapper}.{tail}" in names), None)
+
+
+def tensor_names(model) -> set[str]:
+    """Every parameter and buffer name of `model`, as `named_parameters()` / `named_buffers()` spell them."""
+    return {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+
+
+def parameter_names(model, loaded: set[str], names: set[str] | None = None) -> set[str]:
     """The parameter names `load_weights` reports, spelled as `model.named_parameters()` spells
     them, so "which parameters did a load reach" can be answered by name. Two wrappers insert a
     module between the name a loader reports and the parameter: vLLM 0.26's `MoERunner` returns
     its `RoutedExperts`' names without their `routed_experts.` prefix (and vLLM's reload then warns
     that the experts were not loaded, although they were), and LoRA-enabled layers keep the
-    original layer as `base_layer`."""
-    params = {n for n, _ in model.named_parameters()}  # not cached: LoRA wraps layers after the first load
-    out = set()
-    for name in loaded:
-        if name not in params:
-            head, _, tail = name.rpartition(".")
-            name = next((f"{head}.{wrapper}.{tail}" for wrapper in ("routed_experts", "base_layer")
-                         if f"{head}.{wrapper}.{tail}" in params), name)
-        out.add(name)
-    return out
+    original layer as `base_layer`.
+
+    `names`: `tensor_names(model)` taken by the caller while the model's structure cannot change
+    (a weight transfer calls this once per tensor; LoRA wraps layers after the first load, so a
+    set kept across loads could be stale). Without it the names are read from the model."""
+    names = tensor_names(model) if names is None else names
+    return {_spelled(name, names) or name for name in loaded}

@@ -122,6 +122,7 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
         self.config = config
         self.received_checksums: dict[str, str] | None = None  # set by BeamWorkerExtension to verify a sync
         self.loaded_names: set[str] | None = None  # likewise: which parameters the sync reached
+        self.update_tensor_names: set[str] | None = None  # the model's tensor names during that update
         self.routing_recorder = RoutingRecorder(
             vllm_config.scheduler_config.max_num_batched_tokens, config.num_hidden_layers,
             config.num_experts_per_tok, config.num_experts,
@@ -148,7 +149,8 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self.received_checksums is not None:
             weights = self._checksummed(weights)
-        loaded = parameter_names(self, AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper))
+        loaded = parameter_names(self, AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper),
+                                 self.update_tensor_names)
         if self.loaded_names is not None:
             self.loaded_names |= loaded
         return loaded

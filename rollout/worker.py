@@ -18,6 +18,7 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
 from __future__ import annotations
 
 from beam_rl.rollout.capture import RequestRouting
+from beam_rl.rollout.compat import tensor_names
 
 
 class BeamWorkerExtension:
@@ -83,6 +84,7 @@ class BeamWorkerExtension:
         `start_weight_update` (weight-transfer API) or a reload."""
         model = self._beam_model()
         model.received_checksums, model.loaded_names = {}, set()
+        model.update_tensor_names = tensor_names(model)  # read once: a transfer loads tensor by tensor
         return True
 
     def beam_end_weight_update(self) -> dict:
@@ -90,7 +92,7 @@ class BeamWorkerExtension:
         "not_loaded": model parameters no received tensor reached}."""
         model = self._beam_model()
         received, loaded = dict(model.received_checksums or {}), set(model.loaded_names or ())
-        model.received_checksums = model.loaded_names = None
+        model.received_checksums = model.loaded_names = model.update_tensor_names = None
         params = {n for n, _ in model.named_parameters()}
         return {"checksums": received, "not_loaded": sorted(params - loaded)}
 

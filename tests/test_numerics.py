@@ -48,6 +48,32 @@ def test_rms_norm_rounds_once_after_weight():
     assert np.allclose(f32(ours), ref, rtol=2**-7)
 
 
+@pytest.mark.parametrize("rows,n", [(2048, 5120), (4096, 128), (64, 6144)])
+def test_sum_of_squares_is_order_free(rows, n):
+    """numerics.sum_of_squares gives the same FP32 bits whatever order its FP64 sum runs in (columns
+    reversed, permuted, summed in 40 partial sums as a split kernel would); an FP32 sum does not."""
+    torch.manual_seed(rows + n)
+    x = (torch.randn(rows, n) * torch.rand(rows, 1) * 4).to(torch.bfloat16).float()
+    ref = numerics.sum_of_squares(x)
+    perm = torch.randperm(n)
+    assert torch.equal(numerics.sum_of_squares(x.flip(-1)), ref)
+    assert torch.equal(numerics.sum_of_squares(x[:, perm]), ref)
+    sq = (x * x).double()
+    split = torch.stack([c.sum(-1) for c in sq.tensor_split(40, dim=-1)], -1).sum(-1, keepdim=True).float()
+    assert torch.equal(split, ref)
+    fp32_orders = (x * x).sum(-1, keepdim=True) != (x[:, perm] * x[:, perm]).sum(-1, keepdim=True)
+    assert bool(fp32_orders.any()), "an FP32 sum should depend on the order (else this test shows nothing)"
+
+
+def test_sum_of_squares_is_the_correctly_rounded_sum():
+    """FP32 squares summed in FP64 and rounded once: equal to the exact sum (math.fsum) rounded to FP32."""
+    x = randn(64, 5120, seed=4).float() * 3
+    ours = numerics.sum_of_squares(x)[:, 0].numpy()
+    squares = (x * x).double().numpy()
+    exact = np.array([math.fsum(row) for row in squares], dtype=np.float64).astype(np.float32)
+    assert np.array_equal(ours, exact)
+
+
 @pytest.mark.parametrize("n", [2, 3, 8, 105])
 def test_boundary_rounding_points(n):
     x, h, wp, wn = randn(5, 64), randn(5, 64, seed=1), randn(64, seed=2), randn(64, seed=3)
