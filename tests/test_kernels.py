@@ -66,6 +66,17 @@ def test_router_dispatch(hidden, experts, n_group, topk_group, top_k):
     assert torch.equal(rw, wts) and torch.equal(rids, ids)
 
 
+def run_interpreted(script: str, done: str) -> None:
+    """Run `script` under Triton's CPU interpreter and check it printed `done`. The interpreter must be
+    switched on before triton is first imported, hence a child process."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0 and done in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
 _INTERPRETED_NORMS = textwrap.dedent("""
     import torch
     from beam_rl import numerics
@@ -101,15 +112,8 @@ def test_norm_kernels_interpreted_compute_the_reference_arithmetic():
     equal `beam_rl.numerics` bit for bit with FP32 activations (the arithmetic: FP32 squares, FP64 sums,
     FP32 scale, rsqrt and products). The BF16 rounding points are checked on the GPU, because the
     interpreter rounds FP32 -> BF16 towards zero."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_NORMS], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0 and "norms interpreted ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    run_interpreted(_INTERPRETED_NORMS, "norms interpreted ok")
 
-
-# Triton's interpreter must be switched on before triton is first imported, hence a child process.
 _INTERPRETED_ROUTER = textwrap.dedent("""
     import torch
     from beam_rl import routing
@@ -158,12 +162,7 @@ def test_router_triton_interpreted_logits_are_the_reference():
     """The Triton router (both FP64 GEMM variants, split-K and not, masked K tails) under TRITON_INTERPRET=1:
     logits bit-identical to `routing.router_logits`, ids identical to `select_experts`. An FP32-accumulating
     GEMM fails this (80-90% of such logits differ from the FP64 reference in the last bit)."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_ROUTER], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0 and "router interpreted ok" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    run_interpreted(_INTERPRETED_ROUTER, "router interpreted ok")
 
 
 def test_router_fp64_dot_falls_back_once(monkeypatch):
