@@ -172,7 +172,20 @@ def case_swiglu(t):
 
 
 ROUTERS = {"router_5120x256": (5120, 256, 8, 4, 8), "router_1024x64": (1024, 64, 8, 4, 8),
-           "router_128x16": (128, 16, 4, 2, 4)}
+           "router_128x16": (128, 16, 4, 2, 4),
+           # the same call with the logits always from cuBLAS DGEMM (the path route_triton takes above
+           # TRITON_GEMM_MAX_TOKENS), to choose that threshold from measurements
+           "router_5120x256_dgemm": (5120, 256, 8, 4, 8)}
+
+
+def _dgemm_logits(call):
+    def run():
+        saved, router_ops.TRITON_GEMM_MAX_TOKENS = router_ops.TRITON_GEMM_MAX_TOKENS, 0
+        try:
+            return call()
+        finally:
+            router_ops.TRITON_GEMM_MAX_TOKENS = saved
+    return run
 
 
 def case_router(t, name, split_k=None):
@@ -182,6 +195,8 @@ def case_router(t, name, split_k=None):
     bias = 0.05 * torch.randn(experts, device=DEV)
     kw = dict(top_k=tk, n_group=ng, topk_group=tg, routed_scaling_factor=2.5)
     ours = lambda: router_ops.route_triton(x, w, bias, **kw, split_k=split_k)  # noqa: E731
+    if name.endswith("_dgemm"):
+        ours = _dgemm_logits(ours)
     ref = lambda: routing.select_experts(routing.router_logits(x, w), bias, **kw)  # noqa: E731
     return ours, ref, experts * hidden * 4 + t * hidden * 2 + t * tk * 12
 
