@@ -121,8 +121,9 @@ def launch_shape(num_rows: int, n: int) -> tuple[int, int, int]:
     """(rows per program, warps, chunk) for rows of n elements, from `bench_kernels.py --tune` (H200).
 
     chunk >= n holds whole rows in registers (each input read once): fastest at decode sizes, where
-    the kernel is latency-bound. Above 64 rows wide rows are walked in 1024/2048-element chunks
-    (the later walks hit L1/L2), which keeps more rows resident per SM. Narrow rows (beam-tiny,
+    the kernel is latency-bound (by ~0.4 us at 5120). Above 64 rows, rows wider than 4096 are walked
+    in 1024-element chunks with 4 warps (the later walks hit L1/L2; within 1-2% of the best swept
+    shape at 16384 x 5120), narrower ones held whole. Rows under 2048 (beam-mini, beam-tiny,
     head_dim) are packed several to a program so each still moves a few KiB."""
     block = triton.next_power_of_2(n)
     if block < 2048:
