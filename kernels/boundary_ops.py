@@ -16,10 +16,15 @@ from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
 
 
 @triton.jit
+def inv_rms(ss, factor, eps):
+    """rsqrt(fl32(ss) * factor + eps): `numerics.rms_norm`'s scale from an FP64 sum of squares ss."""
+    return libdevice.rsqrt(ss.to(tl.float32) * factor + eps)
+
+
+@triton.jit
 def _rsqrt_mean(x, factor, eps):
-    """rsqrt(fl32(sum_fp64(fl32(x^2))) * factor + eps) per row of FP32 x [ROWS, CHUNK] -> [ROWS, 1]."""
-    ss = tl.sum((x * x).to(tl.float64), axis=1, keep_dims=True).to(tl.float32)
-    return libdevice.rsqrt(ss * factor + eps)
+    """`inv_rms` of FP32 x [ROWS, CHUNK] per row (FP32 squares, FP64 sum) -> [ROWS, 1]."""
+    return inv_rms(tl.sum((x * x).to(tl.float64), axis=1, keep_dims=True), factor, eps)
 
 
 @triton.jit
@@ -31,8 +36,7 @@ def _inv_rms_walk(ptr, r, row_ok, stride, n, factor, eps, ROWS: tl.constexpr, NC
         c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
         x = tl.load(ptr + r * stride + c, mask=row_ok & (c < n), other=0.0).to(tl.float32)
         acc += (x * x).to(tl.float64)
-    ss = tl.sum(acc, axis=1, keep_dims=True).to(tl.float32)
-    return libdevice.rsqrt(ss * factor + eps)
+    return inv_rms(tl.sum(acc, axis=1, keep_dims=True), factor, eps)
 
 
 @triton.jit
@@ -98,7 +102,7 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
             tl.store(hout_ptr + r * stride_ho + c, hn.to(dt), mask=m)
             acc += (hn * hn).to(tl.float64)
         if HAS_NEXT:
-            inv2 = libdevice.rsqrt(tl.sum(acc, axis=1, keep_dims=True).to(tl.float32) * factor + eps)
+            inv2 = inv_rms(tl.sum(acc, axis=1, keep_dims=True), factor, eps)
             for ci in tl.static_range(NCHUNK):  # h' recomputed from the cached inputs: same bits, no barrier
                 c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
                 m = row_ok & (c < n)

@@ -10,7 +10,8 @@ import torch
 
 from beam_rl import numerics
 
-from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
+from ._triton_compat import LAUNCH_OPTS, tl, triton, use_triton
+from .boundary_ops import inv_rms
 
 _NORM, _ROPE, _SSMAX = 0, 1, 2
 
@@ -30,7 +31,7 @@ def _normalize_rotate(src, stride_h, nh, w_ptr, cs_row, scale, dst, dst_stride_h
     x2 = tl.load(src + h * stride_h + half + d, mask=m, other=0.0).to(tl.float32)
     ss = tl.sum((x1 * x1).to(tl.float64), axis=1, keep_dims=True) + tl.sum((x2 * x2).to(tl.float64), axis=1,
                                                                             keep_dims=True)
-    inv2 = libdevice.rsqrt(ss.to(tl.float32) * factor + eps)
+    inv2 = inv_rms(ss, factor, eps)
     w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + half + d, mask=dm, other=0.0).to(tl.float32)
     y1 = ((x1 * inv2) * w1).to(dt)
