@@ -250,60 +250,43 @@ NORM_LAUNCHES = [(1, 4, 1024), (1, 8, 1024), (1, 4, 2048), (1, 8, 2048), (1, 16,
                  (2, 8, 1024), (2, 8, 2048), (2, 16, 2048)]  # (rows per program, warps, chunk)
 
 
+def _sweep(label, t, shapes, run, want, nbytes, copy_bw):
+    """Time run(shape) for each launch shape (CUDA-graph replays at decode sizes) and check its bits."""
+    for shape in shapes:
+        call = lambda shape=shape: run(shape)  # noqa: E731
+        exact = same_bits(call(), want)
+        us = graph_bench(call) if t != PREFILL else bench(call)
+        print(f"tune {label:12} T={t:5d} launch={shape}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
+              f"  exact {exact}", flush=True)
+
+
 def tune(copy_bw):
     """Sweep each kernel's launch shape at every size (bits checked against the reference per shape)."""
     print("== tuning (launch shapes; decode sizes as CUDA-graph replays) ==", flush=True)
-    sweeps = {
-        "boundary": (lambda x, h, w, launch: boundary_ops.sublayer_boundary_triton(x, h, w, w, 37, EPS, launch=launch),
-                     lambda x, h, w: numerics.sublayer_boundary(x, h, w, w, 37, EPS),
-                     NORM_LAUNCHES, 4),
-        "rms_norm": (lambda x, h, w, launch: boundary_ops.rms_norm_triton(x, w, EPS, launch=launch),
-                     lambda x, h, w: numerics.rms_norm(x, w, EPS), NORM_LAUNCHES, 2),
-    }
-    for name, (fn, ref, launches, passes) in sweeps.items():
-        for t in DECODE + [PREFILL]:
-            x = (3 * torch.randn(t, HIDDEN, device=DEV)).to(BF16)
-            h = torch.randn(t, HIDDEN, device=DEV).to(BF16)
-            w = (1 + 0.2 * torch.randn(HIDDEN, device=DEV)).to(BF16)
-            want = ref(x, h, w)
-            nbytes = passes * t * HIDDEN * 2
-            for launch in launches:
-                call = lambda launch=launch: fn(x, h, w, launch)  # noqa: E731
-                exact = same_bits(call(), want)
-                us = graph_bench(call) if t != PREFILL else bench(call)
-                print(f"tune {name:12} T={t:5d} launch={launch}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
-                      f"  exact {exact}", flush=True)
+    for t in DECODE + [PREFILL]:
+        x = (3 * torch.randn(t, HIDDEN, device=DEV)).to(BF16)
+        h = torch.randn(t, HIDDEN, device=DEV).to(BF16)
+        w = (1 + 0.2 * torch.randn(HIDDEN, device=DEV)).to(BF16)
+        _sweep("boundary", t, NORM_LAUNCHES,
+               lambda launch: boundary_ops.sublayer_boundary_triton(x, h, w, w, 37, EPS, launch=launch),
+               numerics.sublayer_boundary(x, h, w, w, 37, EPS), 4 * t * HIDDEN * 2, copy_bw)
+        _sweep("rms_norm", t, NORM_LAUNCHES, lambda launch: boundary_ops.rms_norm_triton(x, w, EPS, launch=launch),
+               numerics.rms_norm(x, w, EPS), 2 * t * HIDDEN * 2, copy_bw)
     for t in DECODE + [PREFILL]:
         q, k, v, g, qw, kw, pos = _qkv(t)
         cs = numerics.rope_cos_sin_cache(32768, HEAD_DIM, 10000.0).to(DEV)
-        want = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None)
-        for warps in (1, 2, 4, 8, 16):
-            call = lambda warps=warps: qk_norm_rope_ops.qk_norm_rope_ssmax_triton(  # noqa: E731
-                q, k, qw, kw, pos, EPS, cs, None, num_warps=warps)
-            exact = same_bits(call(), want)
-            us = graph_bench(call) if t != PREFILL else bench(call)
-            nbytes = 2 * t * (HEADS + KV) * HEAD_DIM * 2
-            print(f"tune qk_norm_rope T={t:5d} warps={warps}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
-                  f"  exact {exact}", flush=True)
+        _sweep("qk_norm_rope", t, (1, 2, 4, 8, 16),  # num_warps
+               lambda warps: qk_norm_rope_ops.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, None, num_warps=warps),
+               numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None), 2 * t * (HEADS + KV) * HEAD_DIM * 2, copy_bw)
         attn = torch.randn(t, HEADS, HEAD_DIM, device=DEV).to(BF16)
         bias = torch.randn(HEADS, device=DEV).to(BF16)
-        want = numerics.output_gate(attn, g, bias)
-        for launch in ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)):
-            call = lambda launch=launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch)  # noqa: E731
-            exact = same_bits(call(), want)
-            us = graph_bench(call) if t != PREFILL else bench(call)
-            nbytes = 3 * t * HEADS * HEAD_DIM * 2
-            print(f"tune output_gate  T={t:5d} launch={launch}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
-                  f"  exact {exact}", flush=True)
+        _sweep("output_gate", t, ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)),
+               lambda launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch),
+               numerics.output_gate(attn, g, bias), 3 * t * HEADS * HEAD_DIM * 2, copy_bw)
         gu = (3 * torch.randn(t, 2 * D_FF, device=DEV)).to(BF16)
-        want = numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:])
-        for launch in ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)):
-            call = lambda launch=launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch)  # noqa: E731
-            exact = same_bits(call(), want)
-            us = graph_bench(call) if t != PREFILL else bench(call)
-            nbytes = 3 * t * D_FF * 2
-            print(f"tune silu_and_mul T={t:5d} launch={launch}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
-                  f"  exact {exact}", flush=True)
+        _sweep("silu_and_mul", t, ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)),
+               lambda launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch),
+               numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:]), 3 * t * D_FF * 2, copy_bw)
 
 
 def _dump(path, rows):

@@ -30,9 +30,10 @@ BUILDS = {
     "fused": dict(env={"BEAM_RL_FUSED_KERNELS": "1"}, compilation=None),
     "compiled": dict(env={"BEAM_RL_FUSED_KERNELS": "0"}, compilation=None),
     "eager": dict(env={"BEAM_RL_FUSED_KERNELS": "0"}, compilation={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
-    # The two plain builds with the norms' sum of squares in FP32 (`x.float().pow(2).mean(-1)`, beam-rl's
-    # reference before 2026-12-01, what most PyTorch code writes): not the numerics contract (their
-    # outputs differ in the last bits), but the baseline a user would compare against.
+    # The two plain builds with the norms' sum of squares summed in FP32 (`use_fp32_sum_of_squares`: the
+    # arithmetic of `x.float().pow(2).mean(-1)`, beam-rl's reference before 2026-12-01 and what most PyTorch
+    # code writes, up to the summation order): not the numerics contract (their outputs differ in the last
+    # bits), but the baseline a user would compare against.
     "compiled_fp32": dict(env={"BEAM_RL_FUSED_KERNELS": "0"}, compilation=None, fp32_sum=True),
     "eager_fp32": dict(env={"BEAM_RL_FUSED_KERNELS": "0"}, compilation={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
                        fp32_sum=True),
