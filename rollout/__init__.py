@@ -19,6 +19,7 @@ logger = logging.getLogger("beam_rl.rollout")
 
 MODEL_ENV = "BEAM_RL_VLLM_MODEL"
 ARCH = "BeamForCausalLM"
+GLOO_WEIGHT_TRANSFER = "beam_gloo"  # the weight-transfer backend name of `beam_rl.rollout.weight_transfer`
 
 
 def register() -> None:
@@ -55,9 +56,10 @@ def _is_ours(registry) -> bool:
 
 
 def _register_weight_transfer() -> None:
-    """`beam_gloo` as a weight-transfer backend name in this process (lazy: the engine module is
+    """`GLOO_WEIGHT_TRANSFER` as a weight-transfer backend name in this process (lazy: the engine module is
     imported only when an engine is configured with it)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    if "beam_gloo" not in WeightTransferEngineFactory._registry:  # plugins may load twice in a process
-        WeightTransferEngineFactory.register_engine("beam_gloo", "beam_rl.rollout.weight_transfer", "GlooWeightTransferEngine")
+    if GLOO_WEIGHT_TRANSFER not in WeightTransferEngineFactory._registry:  # plugins may load twice in a process
+        WeightTransferEngineFactory.register_engine(GLOO_WEIGHT_TRANSFER, "beam_rl.rollout.weight_transfer",
+                                                    "GlooWeightTransferEngine")

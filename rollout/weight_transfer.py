@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
-BACKEND = "beam_gloo"
+from beam_rl.rollout import GLOO_WEIGHT_TRANSFER as BACKEND
 
 
 def worker_rank(parallel_config, rank_offset: int) -> int:

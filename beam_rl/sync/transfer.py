@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from beam_rl.checkpoint import load_config
+from beam_rl.rollout import GLOO_WEIGHT_TRANSFER
 from beam_rl.sync.base import ServerClient, ServerReport, SyncError, WeightSyncStrategy, WeightUpdate, compare_checksums, register_strategy
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64", "I32": "int32",
@@ -192,7 +193,7 @@ class NcclTransferStrategy(WeightTransferStrategy):
 
 @register_strategy("gloo")
 class GlooTransferStrategy(WeightTransferStrategy):
-    vllm_backend = "beam_gloo"
+    vllm_backend = GLOO_WEIGHT_TRANSFER
 
     def device(self) -> torch.device:
         return torch.device("cpu")
