@@ -49,6 +49,7 @@ measure there next.
 import os
 import re
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -84,19 +85,34 @@ def _router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, K, E, stride_xt, stride_we, K
     pk = tl.program_id(1)
     t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float64)
-    for it in range(K_ITERS):
-        k = (pk * K_ITERS + it) * BLOCK_K + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :],
-                     mask=(t[:, None] < T) & (k[None, :] < K), other=0.0).to(tl.float64)
-        if USE_DOT:  # [BLOCK_K, BLOCK_E] tile of W^T; every product exact in FP64, sums rounded in FP64
+    x_rows = x_ptr + t[:, None].to(tl.int64) * stride_xt
+    t_ok = t[:, None] < T
+    k = pk * K_ITERS * BLOCK_K + tl.arange(0, BLOCK_K)
+    if USE_DOT:  # [BLOCK_K, BLOCK_E] tiles of W^T; every product exact in FP64, sums rounded in FP64
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float64)
+        for it in range(K_ITERS):
+            xt = tl.load(x_rows + k[None, :], mask=t_ok & (k[None, :] < K), other=0.0).to(tl.float64)
             wt = tl.load(w_ptr + e[None, :] * stride_we + k[:, None], mask=(e[None, :] < E) & (k[:, None] < K),
                          other=0.0).to(tl.float64)
             acc = tl.dot(xt, wt, acc, input_precision="ieee", out_dtype=tl.float64)
-        else:  # [BLOCK_E, BLOCK_K] tile of W; [BLOCK_T, BLOCK_E, BLOCK_K] products summed over K
-            wt = tl.load(w_ptr + e[:, None] * stride_we + k[None, :], mask=(e[:, None] < E) & (k[None, :] < K),
-                         other=0.0).to(tl.float64)
-            acc += tl.sum(xt[:, None, :] * wt[None, :, :], axis=2)
+            k += BLOCK_K
+    else:
+        # [BLOCK_E, BLOCK_K] tiles of W; one FP64 FMA per product into a [BLOCK_T, BLOCK_E, BLOCK_K]
+        # accumulator, summed over K once after the loop (a tl.sum over K inside the loop spreads K over
+        # lanes and costs FP64 shuffles per tile: 2819 PTX lines per iteration against 145 at 16x64x8).
+        # The next tiles are loaded before this tile's FMAs, so their latency overlaps the arithmetic; the
+        # last prefetch reads the next split's first tile (or masks past K) and is not used.
+        acc3 = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float64)
+        xt = tl.load(x_rows + k[None, :], mask=t_ok & (k[None, :] < K), other=0.0)
+        wt = tl.load(w_ptr + e[:, None] * stride_we + k[None, :], mask=(e[:, None] < E) & (k[None, :] < K), other=0.0)
+        for it in range(K_ITERS):
+            k += BLOCK_K
+            x_next = tl.load(x_rows + k[None, :], mask=t_ok & (k[None, :] < K), other=0.0)
+            w_next = tl.load(w_ptr + e[:, None] * stride_we + k[None, :], mask=(e[:, None] < E) & (k[None, :] < K),
+                             other=0.0)
+            acc3 += xt.to(tl.float64)[:, None, :] * wt.to(tl.float64)[None, :, :]
+            xt, wt = x_next, w_next
+        acc = tl.sum(acc3, axis=2)
     out = part_ptr + (pk * T + t[:, None]).to(tl.int64) * E + e[None, :]
     tl.store(out, acc, mask=(t[:, None] < T) & (e[None, :] < E))
 
@@ -155,11 +171,29 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_in_ptr, w_out_ptr, ids_out_ptr, 
     tl.store(ids_out_ptr + t * TOPK + kk, ids.to(ids_out_ptr.dtype.element_ty), mask=kk < TOPK)
 
 
-def _gemm_config(tokens: int, hidden: int, experts: int, split_k: int | None, use_dot: bool):
-    block_e = min(64, experts)
-    if use_dot:  # 16-64 token rows (MMA tiles), 32-wide FP64 K tiles
+class RouterLaunch(NamedTuple):
+    """The GEMM's tile and warps and the top-k program's warps, overriding the defaults
+    (`bench_kernels.py --tune` sweeps them)."""
+
+    block_t: int
+    block_e: int
+    block_k: int
+    num_warps: int = 4
+    topk_warps: int = 4
+
+
+def _gemm_config(tokens: int, hidden: int, experts: int, split_k: int | None, use_dot: bool,
+                 launch: RouterLaunch | None = None):
+    """(block_t, block_e, block_k, num_warps, t_blocks, k_iters, split)."""
+    num_warps = 4
+    if launch is not None:
+        block_t, block_e, block_k, num_warps = launch[:4]
+        assert experts % block_e == 0, f"launch: block_e={block_e} must divide the {experts} experts"
+    elif use_dot:  # 16-64 token rows (MMA tiles), 32-wide FP64 K tiles
+        block_e = min(64, experts)
         block_t, block_k = max(16, min(64, triton.next_power_of_2(tokens))), 32
-    else:  # no padding to 16 rows; <= 8192 FP64 products per program (64 a thread at 4 warps)
+    else:  # no padding to 16 rows; <= 8192 FP64 accumulators per program (64 a thread at 4 warps)
+        block_e = min(64, experts)
         block_t = min(16, triton.next_power_of_2(tokens))
         block_k = max(1, min(32, 8192 // (block_t * block_e)))
     t_blocks = triton.cdiv(tokens, block_t)
@@ -168,7 +202,7 @@ def _gemm_config(tokens: int, hidden: int, experts: int, split_k: int | None, us
         split_k = max(1, min(k_blocks, 264 // max(1, (experts // block_e) * t_blocks)))
     k_iters = triton.cdiv(k_blocks, split_k)
     split = triton.cdiv(k_blocks, k_iters)
-    return block_t, block_e, block_k, t_blocks, k_iters, split
+    return block_t, block_e, block_k, num_warps, t_blocks, k_iters, split
 
 
 def _check_router_args(x, weight, num_experts, n_group, top_k, topk_group):
@@ -181,42 +215,43 @@ def _check_router_args(x, weight, num_experts, n_group, top_k, topk_group):
         assert topk_group <= n_group and top_k <= topk_group * (num_experts // n_group)
 
 
-def _launch_gemm(x, weight, split_k, use_dot):
+def _launch_gemm(x, weight, split_k, use_dot, launch=None):
     tokens, hidden = x.shape
     experts = weight.shape[0]
-    block_t, block_e, block_k, t_blocks, k_iters, split = _gemm_config(tokens, hidden, experts, split_k, use_dot)
+    block_t, block_e, block_k, num_warps, t_blocks, k_iters, split = _gemm_config(
+        tokens, hidden, experts, split_k, use_dot, launch)
     part = torch.empty((split, tokens, experts), dtype=torch.float64, device=x.device)
     _router_gemm_kernel[(experts // block_e, split, t_blocks)](
         x, weight, part, tokens, hidden, experts, x.stride(0), weight.stride(0), k_iters,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, USE_DOT=use_dot, num_warps=4, **LAUNCH_OPTS)
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, USE_DOT=use_dot, num_warps=num_warps, **LAUNCH_OPTS)
     return part, split
 
 
-def _logit_partials(x, weight, split_k=None, use_dot=None):
+def _logit_partials(x, weight, split_k=None, use_dot=None, launch=None):
     """FP64 logit partials [split, T, E] (their FP64 sum rounded to FP32 is the logits) and split."""
     global _FP64_DOT
     if use_dot is not None:
-        return _launch_gemm(x, weight, split_k, use_dot)
+        return _launch_gemm(x, weight, split_k, use_dot, launch)
     if _FP64_DOT is None:  # first call: does this Triton/GPU compile an FP64 tl.dot?
         try:
-            out = _launch_gemm(x, weight, split_k, True)
+            out = _launch_gemm(x, weight, split_k, True, launch)
             _FP64_DOT = True
             return out
         except Exception as err:  # noqa: BLE001 - any compile failure; the fallback re-raises real errors
             warnings.warn(f"router: FP64 tl.dot did not compile ({type(err).__name__}: {err}); using the "
                           "broadcast-multiply FP64 GEMM (same logits)", stacklevel=2)
             _FP64_DOT = False
-    return _launch_gemm(x, weight, split_k, _FP64_DOT)
+    return _launch_gemm(x, weight, split_k, _FP64_DOT, launch)
 
 
-def _logits_or_partials(x, weight, split_k):
+def _logits_or_partials(x, weight, split_k, launch=None):
     if x.shape[0] > TRITON_GEMM_MAX_TOKENS:  # prefill: the reference's own FP64 GEMM (cuBLAS DGEMM)
         return routing.router_logits(x, weight).contiguous(), 1
-    return _logit_partials(x, weight, split_k)
+    return _logit_partials(x, weight, split_k, launch=launch)
 
 
 def _topk(part, split, tokens, experts, bias, ids_in, top_k, n_group, topk_group, scaling, norm_topk_prob, ids_dtype,
-          out=None, logits_out=None):
+          out=None, logits_out=None, num_warps=4):
     if out is None:
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=part.device)
         ids = torch.empty((tokens, top_k), dtype=ids_dtype, device=part.device)
@@ -234,16 +269,17 @@ def _topk(part, split, tokens, experts, bias, ids_in, top_k, n_group, topk_group
         part, bias if bias is not None else part, ids_in if replay else ids, weights, ids,
         logits_out if logits_out is not None else weights, tokens, split, scaling,
         E=experts, NG=n_group or 1, TOPK_GROUP=topk_group or 1, TOPK=top_k, TOPK_P=triton.next_power_of_2(top_k),
-        RENORM=norm_topk_prob, REPLAY=replay, SBW=sbw, LOGITS_OUT=logits_out is not None, num_warps=4,
+        RENORM=norm_topk_prob, REPLAY=replay, SBW=sbw, LOGITS_OUT=logits_out is not None, num_warps=num_warps,
         **LAUNCH_OPTS)
     return weights, (ids_in.long() if replay else ids)
 
 
 def route_triton(x, weight, correction_bias, *, top_k, n_group, topk_group, routed_scaling_factor,
-                 norm_topk_prob=True, split_k=None, ids_dtype=torch.int64, out=None, logits_out=None):
+                 norm_topk_prob=True, split_k=None, ids_dtype=torch.int64, out=None, logits_out=None, launch=None):
     """FP64-accumulated router GEMM + grouped sigmoid top-k: (FP32 weights [T, top_k], ids [T, top_k]).
 
-    `logits_out` (FP32 [T, E], optional) receives the logits the epilogue used."""
+    `logits_out` (FP32 [T, E], optional) receives the logits the epilogue used; `launch` (a RouterLaunch)
+    overrides the kernels' tile and warps."""
     experts = weight.shape[0]
     _check_router_args(x, weight, experts, n_group, top_k, topk_group)
     assert correction_bias.shape == (experts,) and correction_bias.is_contiguous()
@@ -251,9 +287,10 @@ def route_triton(x, weight, correction_bias, *, top_k, n_group, topk_group, rout
     if tokens == 0:
         return (torch.empty((0, top_k), dtype=torch.float32, device=x.device),
                 torch.empty((0, top_k), dtype=ids_dtype, device=x.device))
-    part, split = _logits_or_partials(x, weight, split_k)
+    part, split = _logits_or_partials(x, weight, split_k, launch)
     return _topk(part, split, tokens, experts, correction_bias, None, top_k, n_group, topk_group,
-                 routed_scaling_factor, norm_topk_prob, ids_dtype, out, logits_out)
+                 routed_scaling_factor, norm_topk_prob, ids_dtype, out, logits_out,
+                 num_warps=launch.topk_warps if launch is not None else 4)
 
 
 def replay_triton(x, weight, ids, *, routed_scaling_factor, norm_topk_prob=True, split_k=None, logits_out=None):

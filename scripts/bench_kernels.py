@@ -4,12 +4,15 @@ For each kernel at decode sizes (1, 8, 64 tokens) and prefill (8 x 2048 tokens):
 (triton.testing.do_bench; decode sizes also as CUDA-graph replays, 10 calls per graph, per call),
 achieved bytes/s against the device-to-device copy bandwidth measured in this run, speedups over the
 eager reference and over torch.compile of it, and whether each output is bit-identical to the eager
-reference. The FP32 router is timed at 1-64 tokens against cuBLAS FP32 GEMM + PyTorch top-k, both
-in CUDA graphs. Prints a table last; writes JSON rows to $OUT/kernels.json (or --out).
+reference. The FP32 router is timed at 1-64 tokens in CUDA graphs against two baselines: its reference
+(`eager`: cuBLAS DGEMM logits + PyTorch top-k, the contract) and the issue's cuBLAS FP32 GEMM + PyTorch top-k
+(`fp32_cublas_us`: FP32 logits in cuBLAS's summation order, so not the contract's; whether its ids match
+is recorded). Prints a table last; writes JSON rows to $OUT/kernels.json (or --out).
 
     python scripts/bench_kernels.py [--only k1,k2,...] [--tune] [--out PATH]
 
-`--tune` first sweeps the launch shapes of the memory-bound kernels (what picked their defaults).
+`--tune` first sweeps the launch shapes of the router GEMM and the memory-bound kernels (what picked
+their defaults), checking each shape's bits.
 """
 
 import argparse
@@ -198,7 +201,13 @@ def case_router(t, name, split_k=None):
     if name.endswith("_dgemm"):
         ours = _dgemm_logits(ours)
     ref = lambda: routing.select_experts(routing.router_logits(x, w), bias, **kw)  # noqa: E731
+    # the issue's baseline: cuBLAS FP32 GEMM (its own blocking, not the contract's logits) + PyTorch top-k
+    FP32_CUBLAS_ROUTER[name] = lambda: routing.select_experts(x.float() @ w.t(), bias, **kw)
     return ours, ref, experts * hidden * 4 + t * hidden * 2 + t * tk * 12
+
+
+# router name -> cuBLAS FP32 GEMM + PyTorch top-k on the case's inputs, timed as `fp32_cublas_us`
+FP32_CUBLAS_ROUTER = {}
 
 
 KERNELS = {
@@ -238,6 +247,11 @@ def run_case(kernel, size, tokens, make, copy_bw, decode):
     row["bandwidth_fraction"] = nbytes / (row["time_us"] * 1e-6) / copy_bw
     row["speedup_vs_eager"] = row["eager_us"] / row["time_us"]
     row["speedup_vs_compile"] = row["compile_us"] / row["time_us"]
+    if kernel in FP32_CUBLAS_ROUTER:
+        base = FP32_CUBLAS_ROUTER.pop(kernel)
+        row["fp32_cublas_ids_equal"] = bool(torch.equal(base()[1], out_ref[1]))
+        row["fp32_cublas_us"] = graph_bench(base)
+        row["speedup_vs_fp32_cublas"] = row["fp32_cublas_us"] / row["time_us"]
     if kernel in FP32_FORMULA:
         fp32_compiled = torch.compile(FP32_FORMULA[kernel], dynamic=False)
         row["compile_fp32_differing_fraction"] = frac_differing(fp32_compiled(), out_ref)
@@ -260,31 +274,57 @@ def _sweep(label, t, shapes, run, want, nbytes, copy_bw):
               f"  exact {exact}", flush=True)
 
 
-def tune(copy_bw):
-    """Sweep each kernel's launch shape at every size (bits checked against the reference per shape)."""
+# router launches per token count: (RouterLaunch(block_t, block_e, block_k, gemm warps, top-k warps), split_k
+# or None = the default split); each tile keeps <= 64 FP64 accumulators a thread (t * e * k / (32 * warps))
+def _router_launches():
+    L = router_ops.RouterLaunch
+    return {
+        1: [(L(1, 64, 32, 4, 4), None), (L(1, 64, 32, 4, 1), None), (L(1, 64, 32, 4, 2), None), (L(1, 64, 64, 4, 2), None),
+            (L(1, 32, 32, 1, 1), None), (L(1, 32, 32, 1, 2), None), (L(1, 64, 16, 4, 2), None)],
+        8: [(L(8, 64, 16, 4, 4), None), (L(8, 64, 16, 4, 1), None), (L(8, 64, 16, 4, 2), None), (L(8, 32, 16, 4, 2), None),
+            (L(4, 64, 32, 4, 2), None), (L(8, 64, 8, 4, 2), None), (L(8, 64, 16, 8, 2), None)],
+        64: [(L(16, 64, 8, 4, 4), None), (L(16, 64, 8, 4, 1), None), (L(16, 64, 8, 4, 2), None), (L(32, 32, 8, 4, 2), None),
+             (L(16, 32, 16, 4, 2), None), (L(16, 64, 8, 4, 2), 32), (L(16, 64, 8, 4, 2), 8), (L(16, 64, 16, 8, 2), None)],
+    }
+
+
+def tune(copy_bw, names):
+    """Sweep the launch shapes of the kernels in `names` at every size (bits checked against the reference
+    per shape); any router name sweeps the 5120 x 256 router's GEMM tiles."""
     print("== tuning (launch shapes; decode sizes as CUDA-graph replays) ==", flush=True)
-    for t in DECODE + [PREFILL]:
+    hidden, experts, ng, tg, tk = ROUTERS["router_5120x256"]
+    for t, shapes in _router_launches().items() if any(n.startswith("router") for n in names) else ():
+        x = torch.randn(t, hidden, device=DEV).to(BF16)
+        w = torch.randn(experts, hidden, device=DEV) / hidden**0.5
+        bias = 0.05 * torch.randn(experts, device=DEV)
+        kw = dict(top_k=tk, n_group=ng, topk_group=tg, routed_scaling_factor=2.5)
+        _sweep("router", t, shapes,
+               lambda launch: router_ops.route_triton(x, w, bias, **kw, launch=launch[0], split_k=launch[1]),
+               routing.select_experts(routing.router_logits(x, w), bias, **kw), experts * hidden * 4, copy_bw)
+    for t in DECODE + [PREFILL] if {"boundary", "rms_norm"} & set(names) else ():
         x = (3 * torch.randn(t, HIDDEN, device=DEV)).to(BF16)
         h = torch.randn(t, HIDDEN, device=DEV).to(BF16)
         w = (1 + 0.2 * torch.randn(HIDDEN, device=DEV)).to(BF16)
-        _sweep("boundary", t, NORM_LAUNCHES,
+        _sweep("boundary", t, NORM_LAUNCHES if "boundary" in names else (),
                lambda launch: boundary_ops.sublayer_boundary_triton(x, h, w, w, 37, EPS, launch=launch),
                numerics.sublayer_boundary(x, h, w, w, 37, EPS), 4 * t * HIDDEN * 2, copy_bw)
-        _sweep("rms_norm", t, NORM_LAUNCHES, lambda launch: boundary_ops.rms_norm_triton(x, w, EPS, launch=launch),
+        _sweep("rms_norm", t, NORM_LAUNCHES if "rms_norm" in names else (), lambda launch: boundary_ops.rms_norm_triton(x, w, EPS, launch=launch),
                numerics.rms_norm(x, w, EPS), 2 * t * HIDDEN * 2, copy_bw)
-    for t in DECODE + [PREFILL]:
+    for t in DECODE + [PREFILL] if {"qk_norm_rope", "output_gate", "silu_and_mul"} & set(names) else ():
         q, k, v, g, qw, kw, pos = _qkv(t)
         cs = numerics.rope_cos_sin_cache(32768, HEAD_DIM, 10000.0).to(DEV)
-        _sweep("qk_norm_rope", t, (1, 2, 4, 8, 16),  # num_warps
+        _sweep("qk_norm_rope", t, (1, 2, 4, 8, 16) if "qk_norm_rope" in names else (),  # num_warps
                lambda warps: qk_norm_rope_ops.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, None, num_warps=warps),
                numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None), 2 * t * (HEADS + KV) * HEAD_DIM * 2, copy_bw)
         attn = torch.randn(t, HEADS, HEAD_DIM, device=DEV).to(BF16)
         bias = torch.randn(HEADS, device=DEV).to(BF16)
-        _sweep("output_gate", t, ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)),
+        _sweep("output_gate", t, ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
+               if "output_gate" in names else (),
                lambda launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch),
                numerics.output_gate(attn, g, bias), 3 * t * HEADS * HEAD_DIM * 2, copy_bw)
         gu = (3 * torch.randn(t, 2 * D_FF, device=DEV)).to(BF16)
-        _sweep("silu_and_mul", t, ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)),
+        _sweep("silu_and_mul", t, ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8))
+               if "silu_and_mul" in names else (),
                lambda launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch),
                numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:]), 3 * t * D_FF * 2, copy_bw)
 
@@ -303,9 +343,9 @@ def main():
     torch._dynamo.config.cache_size_limit = 256
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
-    if args.tune:
-        tune(copy_bw)
     names = [n for n in args.only.split(",") if n] or list(KERNELS) + list(ROUTERS)
+    if args.tune:
+        tune(copy_bw, names)
     rows = []
     for kernel in names:
         if kernel in ROUTERS:
@@ -327,10 +367,11 @@ def main():
     print(json.dumps(meta))
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; decode rows timed as CUDA-graph replays, prefill with do_bench")
     hdr = f"{'kernel':18} {'size':>7} {'ours us':>9} {'eager us':>9} {'comp us':>9} {'x eager':>8} {'x comp':>7} " \
-          f"{'BW frac':>7} {'exact':>5} {'comp exact':>10} {'comp32 us':>9} {'x comp32':>8}"
+          f"{'BW frac':>7} {'exact':>5} {'comp exact':>10} {'comp32 us':>9} {'x comp32':>8} (router: cuBLAS FP32 + top-k)"
     print(hdr)
     for r in rows:
-        fp32 = f"{r['compile_fp32_us']:9.2f} {r['speedup_vs_compile_fp32']:8.2f}" if "compile_fp32_us" in r else ""
+        fp32 = f"{r['compile_fp32_us']:9.2f} {r['speedup_vs_compile_fp32']:8.2f}" if "compile_fp32_us" in r else \
+            f"{r['fp32_cublas_us']:9.2f} {r['speedup_vs_fp32_cublas']:8.2f}" if "fp32_cublas_us" in r else ""
         print(f"{r['kernel']:18} {r['size']:>7} {r['time_us']:9.2f} {r['eager_us']:9.2f} {r['compile_us']:9.2f} "
               f"{r['speedup_vs_eager']:8.2f} {r['speedup_vs_compile']:7.2f} {r['bandwidth_fraction']:7.3f} "
               f"{str(r['exact']):>5} {str(r['compile_exact']):>10} {fp32}")

@@ -17,9 +17,9 @@ from beam_rl.kernels import router_ops
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def try_compile(label: str, fn, signature: dict, constexprs: dict) -> None:
+def try_compile(label: str, fn, signature: dict, constexprs: dict, num_warps: int = 4) -> None:
     try:
-        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET, options={"num_warps": 4})
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET, options={"num_warps": num_warps})
         print(f"{label}: OK")
     except Exception as err:  # noqa: BLE001 - report any compiler failure and go on
         print(f"{label}: FAIL ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
@@ -32,9 +32,9 @@ def main() -> None:
                 "BLOCK_K": "constexpr", "USE_DOT": "constexpr"}
     for tokens in (1, 8, 64):
         for use_dot in (False, True):
-            bt, be, bk, *_ = router_ops._gemm_config(tokens, 5120, 256, None, use_dot)
+            bt, be, bk, warps, *_ = router_ops._gemm_config(tokens, 5120, 256, None, use_dot)
             try_compile(f"gemm {'dot' if use_dot else 'broadcast'} T={tokens} (BLOCK_T={bt}, BLOCK_E={be}, BLOCK_K={bk})",
-                        router_ops._router_gemm_kernel, gemm_sig, dict(BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk, USE_DOT=use_dot))
+                        router_ops._router_gemm_kernel, gemm_sig, dict(BLOCK_T=bt, BLOCK_E=be, BLOCK_K=bk, USE_DOT=use_dot), warps)
     topk_sig = {"part_ptr": "*fp64", "bias_ptr": "*fp32", "ids_in_ptr": "*i64", "w_out_ptr": "*fp32", "ids_out_ptr": "*i64",
                 "logits_out_ptr": "*fp32", "T": "i32", "SPLIT": "i32", "scaling": "fp32", "E": "constexpr", "NG": "constexpr",
                 "TOPK_GROUP": "constexpr", "TOPK": "constexpr", "TOPK_P": "constexpr", "RENORM": "constexpr",

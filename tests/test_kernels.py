@@ -172,7 +172,7 @@ def test_router_fp64_dot_falls_back_once(monkeypatch):
 
     calls = []
 
-    def fake_launch(x, weight, split_k, use_dot):
+    def fake_launch(x, weight, split_k, use_dot, launch=None):
         calls.append(use_dot)
         if use_dot:
             raise RuntimeError("PassManager::run failed")
