@@ -59,13 +59,15 @@ def sliding_kv_bytes_per_sequence(config: BeamConfig, bytes_per_value: float) ->
     return int(n_sliding * 2 * config.num_key_value_heads * config.head_dim * config.sliding_window * bytes_per_value)
 
 
-def weight_bytes(counts: ParamCounts, expert_format: str, dense_format: str = "bf16") -> dict[str, float]:
-    """Bytes of the weights: experts in `expert_format`, router FP32, the rest in `dense_format`."""
+def weight_bytes(counts: ParamCounts, expert_format: str, dense_format: str = "bf16",
+                 lm_head_format: str = "bf16") -> dict[str, float]:
+    """Bytes of the weights: experts in `expert_format`, router FP32, the LM head in `lm_head_format`
+    (the vLLM rollout keeps it in FP32 for its FP32 GEMM), the rest in `dense_format`."""
     k = counts.by_kind
     experts = k.get("expert", 0) * FORMAT_BYTES[expert_format]
     router = k.get("router", 0) * FORMAT_BYTES["fp32"]
     linear = (k.get("attention", 0) + k.get("dense_mlp", 0)) * FORMAT_BYTES[dense_format]
-    rest = (k.get("embedding", 0) + k.get("lm_head", 0) + k.get("norm", 0)) * FORMAT_BYTES["bf16"]
+    rest = (k.get("embedding", 0) + k.get("norm", 0)) * FORMAT_BYTES["bf16"] + k.get("lm_head", 0) * FORMAT_BYTES[lm_head_format]
     return {"experts": experts, "router": router, "dense": linear + rest, "total": experts + router + linear + rest}
 
 
@@ -90,7 +92,7 @@ def plan_rollout(config: BeamConfig, counts: ParamCounts, num_gpus: int, gpu_gib
                  max_seqs: int = 256, min_kv_tokens: int = 1 << 21) -> RolloutLayout | None:
     """Smallest engine (TP = EP = t GPUs) whose weights leave room for the sliding-window KV of
     `max_seqs` sequences plus `min_kv_tokens` tokens of full-attention KV (default: 256 x 8K)."""
-    w = weight_bytes(counts, expert_format)
+    w = weight_bytes(counts, expert_format, lm_head_format="fp32")
     kv_value_bytes = FORMAT_BYTES[kv_format] if kv_format != "bf16" else 2.0
     kv_tok = kv_bytes_per_token(config, kv_value_bytes)
     sliding = max_seqs * sliding_kv_bytes_per_sequence(config, kv_value_bytes)

@@ -105,6 +105,11 @@ class BeamWorkerExtension:
         model = self._beam_model()
         return {name: tensor_checksum(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
 
+    def beam_additional_config(self) -> dict:
+        """This worker's `vllm_config.additional_config` (vLLM hashes it into its torch.compile cache key;
+        the model records `beam_rl_fused_kernels` there)."""
+        return dict(self.vllm_config.additional_config)
+
     def beam_expert_layout(self) -> dict[int, tuple[int, int, int, int, str, str]]:
         """Per MoE layer of this rank's CPU experts: (ep_rank, ep_size, first expert, number of local
         experts, checksum of w13, checksum of w2), for checking expert-parallel placement and loading."""

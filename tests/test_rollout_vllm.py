@@ -166,6 +166,37 @@ def test_reload_equals_fresh_engine_and_verifies_checksums(tiny_vllm, tiny_confi
     assert_matches_reference(load_checkpoint(tiny_checkpoint), ps, again, routed, tiny_config)
 
 
+def test_compile_cache_key_names_the_build(tiny_vllm):
+    """The model records which build it is (fused kernels or plain PyTorch) in vLLM's additional_config,
+    which vLLM hashes into its torch.compile cache key: a BEAM_RL_FUSED_KERNELS=0 engine must not load
+    the graphs a fused engine compiled (the H200 benchmark's compiled build once did)."""
+    from vllm.config import VllmConfig
+
+    extra = tiny_vllm.collective_rpc("beam_additional_config")[0]
+    assert extra["beam_rl_fused_kernels"] is True  # BEAM_RL_FUSED_KERNELS unset: the fused build
+    hashes = {VllmConfig(additional_config={"beam_rl_fused_kernels": flag}).compute_hash() for flag in (True, False)}
+    assert len(hashes) == 2
+
+
+def test_lm_head_is_fp32_holding_model_dtype_values(tiny_vllm, tiny_config, tiny_checkpoint, tmp_path):
+    """The LM head's weight is FP32 (its GEMM is FP32, so no step converts it) and holds exactly what a
+    BF16 head would: the checkpoint's BF16 values, and an FP32 checkpoint's values rounded to BF16."""
+    from beam_rl.rollout.reload import reload_weights
+
+    head = dict(read_tensors(tiny_checkpoint, tiny_config))["lm_head.weight"]
+    assert head.dtype == torch.bfloat16
+    assert tiny_vllm.collective_rpc("beam_parameter_checksums")[0]["lm_head.weight"] == tensor_checksum(head.float())
+    fp32 = save_checkpoint(build_model(tiny_config, seed=7, dtype=torch.float32), tmp_path / "fp32")
+    fp32_head = dict(read_tensors(fp32, tiny_config))["lm_head.weight"]
+    assert fp32_head.dtype == torch.float32 and not torch.equal(fp32_head, fp32_head.bfloat16().float())
+    try:
+        reload_weights(tiny_vllm, fp32)
+        got = tiny_vllm.collective_rpc("beam_parameter_checksums")[0]["lm_head.weight"]
+        assert got == tensor_checksum(fp32_head.bfloat16().float())
+    finally:
+        reload_weights(tiny_vllm, tiny_checkpoint)
+
+
 def assert_matches_reference(ref, ps, outs, routed, config):
     """Every request's log-probs within the BF16 engine's bound of the reference replaying its routing."""
     with ref.attention_probs(numerics.engine_attention_probs()):
