@@ -94,10 +94,11 @@ def run_build(args) -> dict:
         pre = gpu_time(lambda: timed(long_prompts, 1))
         gpu = dict(decode_gpu_ms=(full[0] - one[0]) / n, decode_kernels_per_step=(full[1] - one[1]) / n,
                    prefill_gpu_ms=pre[0], prefill_kernels=pre[1])
+    trace = step_trace(lambda: timed([prompt], 1 + args.trace_steps), args.trace_steps) if args.trace_steps else {}
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
     return dict(build=args.build, mode=mode, engine_start_s=start_s, decode_ms=statistics.median(decode),
-                decode_ms_all=decode, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu,
+                decode_ms_all=decode, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
 
 
@@ -116,6 +117,55 @@ def gpu_time(fn) -> tuple[float, int]:
     return sum(e.device_time_total for e in device) / 1e3, len(device)
 
 
+def step_trace(fn, steps: int) -> dict:
+    """Where a decode step's wall time goes: one generate of 1 + `steps` tokens under the profiler with
+    host and GPU activity. Reports the window, the GPU's busy time (union of kernel/copy intervals), the
+    kernels by GPU time and the host calls by self time, per step, and the host's blocking waits
+    (stream/event/device synchronisations and synchronous copies)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        window_ms = (time.perf_counter() - t0) * 1e3
+    events = prof.events()
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device)
+    busy, cur_s, cur_e = 0.0, None, None
+    for a, b in spans:
+        if cur_e is None or a > cur_e:
+            busy += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    busy += 0.0 if cur_e is None else cur_e - cur_s
+    kernels, host = {}, {}
+    for e in device:
+        k = kernels.setdefault(e.name[:90], [0, 0.0])
+        k[0] += 1
+        k[1] += e.device_time_total
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            h = host.setdefault(e.name[:90], [0, 0.0])
+            h[0] += 1
+            h[1] += e.self_cpu_time_total
+    waits = {n: v for n, v in host.items() if "Synchronize" in n or n in ("cudaMemcpy", "cudaMemcpy2D")}
+    per = lambda d: sorted(([n, c / steps, us / steps] for n, (c, us) in d.items()), key=lambda r: -r[2])  # noqa: E731
+    out = dict(trace_window_ms_per_step=window_ms / steps, trace_gpu_busy_ms_per_step=busy / 1e3 / steps,
+               trace_kernels=per(kernels)[:30], trace_host=per(host)[:40], trace_waits=per(waits))
+    print(f"[trace] {steps} steps: window {window_ms / steps:.3f} ms/step (profiled), GPU busy "
+          f"{busy / 1e3 / steps:.3f} ms/step", flush=True)
+    for title, rows in (("kernels (GPU us/step)", out["trace_kernels"][:25]), ("host (self us/step)", out["trace_host"][:30]),
+                        ("host waits", out["trace_waits"])):
+        print(f"[trace] {title}:", flush=True)
+        for name, calls, us in rows:
+            print(f"[trace]   {us:9.1f} us  {calls:6.1f} calls  {name}", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True)
@@ -126,6 +176,11 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None, help="keep each build's full stdout/stderr here")
     ap.add_argument("--builds", default=",".join(MAIN_BUILDS), help="comma-separated subset of " + ",".join(BUILDS))
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="set in every build's process, after the build's own settings (e.g. VLLM_USE_V2_MODEL_RUNNER=1, "
+                         "or VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's separate engine-core process: no GPU-time pass then)")
+    ap.add_argument("--trace-steps", type=int, default=0,
+                    help="also profile this many decode steps with host activity and print where a step's time goes")
     ap.add_argument("--no-gpu-time", dest="gpu_time", action="store_false",
                     help="skip the profiled pass that measures GPU time and kernel count per step")
     args = ap.parse_args()
@@ -136,10 +191,18 @@ def main() -> int:
     for name in args.builds.split(","):
         env = {**os.environ, **BUILDS[name]["env"]}
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the build's process: the profiler sees it
+        for item in args.env:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
+            env[key] = value
+        separate_core = env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
         cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
                "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len)]
-        if not args.gpu_time:
+        if not args.gpu_time or separate_core:  # the profiler sees only this process
             cmd.append("--no-gpu-time")
+        if args.trace_steps and not separate_core:
+            cmd += ["--trace-steps", str(args.trace_steps)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if args.log_dir:
             os.makedirs(args.log_dir, exist_ok=True)
@@ -151,12 +214,15 @@ def main() -> int:
             failed.append(name)
             continue
         results[name] = json.loads(lines[-1][len("RESULT "):])
+        for line in proc.stdout.splitlines():
+            if line.startswith("[trace]"):
+                print(f"[{name}] {line}", flush=True)
         print(f"[{name}] start {results[name]['engine_start_s']:.0f} s, decode {results[name]['decode_ms']:.3f} ms/step, "
               f"prefill {results[name]['prefill_ms']:.1f} ms ({results[name]['mode']})", flush=True)
     if failed or not set(MAIN_BUILDS) <= set(results):
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump({"builds": results, "failed": failed}, fh, indent=1)
+                json.dump({"builds": results, "failed": failed, "env": args.env}, fh, indent=1)
         for name, r in results.items():
             print(f"| {name} | decode {r['decode_ms']:.3f} ms/step (GPU {r.get('decode_gpu_ms', float('nan')):.3f}) | "
                   f"prefill {r['prefill_ms']:.1f} ms (GPU {r.get('prefill_gpu_ms', float('nan')):.1f}) |")
@@ -195,6 +261,7 @@ def main() -> int:
                   f"{r['prefill_gpu_ms']:.1f} | {e['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} | "
                   f"{c['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} |")
     print(json.dumps(summary, indent=1))
+    summary["env"] = args.env
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({**summary, "builds": results}, fh, indent=1)
