@@ -173,7 +173,8 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_in_ptr, w_out_ptr, ids_out_ptr, 
 
 class RouterLaunch(NamedTuple):
     """The GEMM's tile and warps and the top-k program's warps, overriding the defaults
-    (`bench_kernels.py --tune` sweeps them)."""
+    (`bench_kernels.py --tune` sweeps them). The top-k keeps 4 warps: on the H200 one warp was slower
+    (15.9 against 12.1 us at 1 token, 20.6 against 16.0 at 8; 5120 x 256)."""
 
     block_t: int
     block_e: int
@@ -192,10 +193,12 @@ def _gemm_config(tokens: int, hidden: int, experts: int, split_k: int | None, us
     elif use_dot:  # 16-64 token rows (MMA tiles), 32-wide FP64 K tiles
         block_e = min(64, experts)
         block_t, block_k = max(16, min(64, triton.next_power_of_2(tokens))), 32
-    else:  # no padding to 16 rows; <= 8192 FP64 accumulators per program (64 a thread at 4 warps)
-        block_e = min(64, experts)
+    else:  # no padding to 16 rows; <= 8192 FP64 accumulators per program (64 a thread at 4 warps). From the
+        # H200 sweep (5120 x 256, bench_kernels --tune): 32-expert blocks beat 64 at 1-64 tokens, one warp at 1.
+        block_e = min(32, experts)
         block_t = min(16, triton.next_power_of_2(tokens))
-        block_k = max(1, min(32, 8192 // (block_t * block_e)))
+        block_k = 32 if block_t <= 4 else 16
+        num_warps = 1 if block_t == 1 else 4
     t_blocks = triton.cdiv(tokens, block_t)
     k_blocks = triton.cdiv(hidden, block_k)
     if split_k is None:  # aim at ~2 programs per SM; no split once the token blocks fill the GPU
@@ -329,14 +332,18 @@ def replay_experts_triton(logits, ids, *, routed_scaling_factor, norm_topk_prob=
                  routed_scaling_factor, norm_topk_prob, ids.dtype)
 
 
-def route(x, weight, correction_bias, *, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob=True):
-    """Dispatch: Triton on CUDA, `routing.router_logits` + `routing.select_experts` elsewhere."""
+def route(x, weight, correction_bias, *, top_k, n_group, topk_group, routed_scaling_factor, norm_topk_prob=True,
+          ids_dtype=torch.int64):
+    """Dispatch: Triton on CUDA, `routing.router_logits` + `routing.select_experts` elsewhere. The kernel
+    writes ids in `ids_dtype` itself (vLLM's fused MoE takes int32: no conversion kernel per layer)."""
     if use_triton(x, weight):
         return route_triton(x, weight, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
-                            routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob)
-    return routing.select_experts(routing.router_logits(x, weight), correction_bias, top_k=top_k, n_group=n_group,
-                                  topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
-                                  norm_topk_prob=norm_topk_prob)
+                            routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob,
+                            ids_dtype=ids_dtype)
+    weights, ids = routing.select_experts(routing.router_logits(x, weight), correction_bias, top_k=top_k,
+                                          n_group=n_group, topk_group=topk_group,
+                                          routed_scaling_factor=routed_scaling_factor, norm_topk_prob=norm_topk_prob)
+    return weights, ids.to(ids_dtype)
 
 
 def replay(x, weight, ids, *, routed_scaling_factor, norm_topk_prob=True):

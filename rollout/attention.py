@@ -75,7 +75,7 @@ class BeamAttention(nn.Module):
         q, k = ops.qk_norm_positional(
             q, k, self.q_norm.weight, self.k_norm.weight, positions, self.eps, self.is_sliding, self.positional
         )
-        attn = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v.contiguous())
+        attn = self.attn(q.reshape(T, self.q_size), k.reshape(T, self.kv_size), v)  # a view: vLLM reads its strides
         gated = ops.output_gate(
             attn.view(T, self.num_heads, self.head_dim), gate.view(T, self.num_heads, self.head_dim), self.gate_bias
         )

@@ -246,7 +246,7 @@ class BeamMoE(nn.Module):
         weights, ids = ops.route(hidden_states, self.gate.weight, self.gate.e_score_correction_bias, self.config)
         if self.recorder is not None:
             self.recorder.record(self.layer_idx, ids)
-        return weights, ids.to(torch.int32)
+        return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_fused_moe:

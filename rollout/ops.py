@@ -154,7 +154,7 @@ def sublayer_boundary(sublayer_out, residual, post_weight, next_weight, add_inde
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: BeamConfig):
-    """FP32 router GEMM + grouped sigmoid top-k -> (FP32 weights incl. routed scaling, ids).
+    """FP32 router GEMM + grouped sigmoid top-k -> (FP32 weights incl. routed scaling, int32 ids).
 
     Fused (CUDA): the Triton router (FP64-accumulating split-K GEMM rounded once to FP32, then the
     top-k); unfused, any device: the reference `routing.router_logits` (FP64-accumulated, rounded
@@ -164,5 +164,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: Bea
     args = dict(top_k=config.num_experts_per_tok, n_group=config.n_group, topk_group=config.topk_group,
                 routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
     if use_fused_kernels():
-        return kernels.route(x, weight, bias, **args)
-    return routing.select_experts(routing.router_logits(x, weight), bias, **args)
+        return kernels.route(x, weight, bias, **args, ids_dtype=torch.int32)
+    weights, ids = routing.select_experts(routing.router_logits(x, weight), bias, **args)
+    return weights, ids.to(torch.int32)
