@@ -22,28 +22,27 @@ That is the only way these logits can differ from cuBLAS's DGEMM (the reference 
 CPU BLAS's: ~0.2 one-ulp logit differences in a 16384-token prefill through all 49 MoE layers of
 Beam-1.0 (2e8 logits), and such a difference changes an expert id only on a one-ulp tie.
 
-Two launches below TRITON_GEMM_MAX_TOKENS: (1) FP64 logit partials [split, T, E] =
+Two launches up to TRITON_GEMM_MAX_TOKENS: (1) FP64 logit partials [split, T, E] =
 x[:, k-slice] @ W[:, k-slice]^T, spread over E-blocks x K-slices so a 1-64 token call fills the GPU:
 `tl.dot` on FP64 operands (Triton 3.9 lowers it to FP64 MMA, `mma.sync ... m8n8k4 ... f64`) or,
-where the FP64 dot does not compile (Triton 3.6), a broadcast multiply + `tl.sum` over a small K tile
-in FP64 (`_default_fp64_dot`; `_logit_partials(use_dot=...)` forces either; same contract, both
-pinned by the tests); (2) one program per token sums the partials in FP64, rounds once to FP32 and
-runs the epilogue with `select_experts`'s exact arithmetic: ATen's sigmoid, biased group top-2 sums,
-top `topk_group` groups, top `top_k` experts (ties to the lower id), renormalised in ATen's sum
-order, times the scaling factor. Given the same logits the epilogue is bit-exact.
+where the FP64 dot does not compile (Triton 3.6), FP64 FMAs into a [T, E, K] accumulator tile summed
+over K after the loop (`_default_fp64_dot`; `_logit_partials(use_dot=...)` forces either; same
+contract, both pinned by the tests); (2) one program per token sums the partials in FP64, rounds once
+to FP32 and runs the epilogue with `select_experts`'s exact arithmetic: ATen's sigmoid, biased group
+top-2 sums, top `topk_group` groups, top `top_k` experts (ties to the lower id), renormalised in
+ATen's sum order, times the scaling factor. Given the same logits the epilogue is bit-exact.
 
 Above TRITON_GEMM_MAX_TOKENS the logits are `routing.router_logits` itself (cuBLAS DGEMM, which runs
-on the FP64 tensor cores), bit-identical to the reference by construction, then launch (2). Not the
-Triton kernel at every size because at prefill cuBLAS is the faster FP64 GEMM: 16384 x 5120 x 256
-is 21.5 G FMA (43 GFLOP), 0.64 ms at the H200's 67 TFLOP/s FP64 tensor-core rate, 1.3 ms at its
-34 TFLOP/s FP64 FMA rate (the bound of a non-MMA kernel; this kernel's tiles are sized for decode);
-its price is the FP64 copy of x (671 MB written and read, ~0.3 ms). At decode the cost is the
-weights: 5.24 MB of FP32 W read once = 1.2 us at 4.3 TB/s; 64 tokens are 84 M FMA (168 MFLOP) =
-2.5 us at the tensor-core rate, 4.9 us at the FMA rate. Measured on the H200 with Triton 3.6 (the
-broadcast variant; docs/benchmarks.md): 13.7 / 27.7 / 120 us at 1 / 8 / 64 tokens in CUDA graphs,
-against 78 / 83 / 92 us for cuBLAS FP32 + PyTorch top-k: at 64 tokens the FP64 FMA issue of too few
-programs is the bound, and cuBLAS DGEMM (the path above TRITON_GEMM_MAX_TOKENS) is the candidate to
-measure there next.
+on the FP64 tensor cores), bit-identical to the reference by construction, then launch (2). At
+prefill cuBLAS is the faster FP64 GEMM: 16384 x 5120 x 256 is 21.5 G FMA (43 GFLOP), 0.64 ms at the
+H200's 67 TFLOP/s FP64 tensor-core rate, 1.3 ms at its 34 TFLOP/s FP64 FMA rate (the bound of a
+non-MMA kernel); its price is the FP64 copy of x (671 MB written and read, ~0.3 ms). At decode the
+cost is the weights: 5.24 MB of FP32 W read once = 1.2 us at 4.3 TB/s; 64 tokens are 84 M FMA
+(168 MFLOP) = 2.5 us at the tensor-core rate, 4.9 us at the FMA rate. Measured on the H200 with
+Triton 3.6 in CUDA graphs (docs/benchmarks.md): 11.6 / 13.0 / 26.5 us at 1 / 8 / 64 tokens, against
+68 / 81 / 87 us for cuBLAS FP32 GEMM + PyTorch top-k and 79 / 82 / 92 us for the reference (cuBLAS
+DGEMM + PyTorch top-k). The first FP64 version summed each K tile with tl.sum inside the loop
+(FP64 lane shuffles; 120 us at 64 tokens).
 """
 
 import os
@@ -59,8 +58,11 @@ from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
 from .reduce_order import _block_x_tree, _combine4, cuda_sum_config
 
 # Up to this many tokens the split-K Triton GEMM runs; above it `routing.router_logits` (cuBLAS DGEMM)
-# computes the logits. Either way they are the reference's FP64-accumulated logits.
-TRITON_GEMM_MAX_TOKENS = 256
+# computes the logits. Either way they are the reference's FP64-accumulated logits. H200, 5120 x 256,
+# route + top-k in CUDA graphs, one run (bench_kernels router_5120x256 vs router_5120x256_dgemm): Triton
+# 15.9 / 20.5 / 27.5 us at 1 / 8 / 64 tokens, DGEMM 23.8 / 25.2 / 29.2; the Triton time grows with the
+# tokens and the DGEMM's hardly does, so above 64 the DGEMM path is taken.
+TRITON_GEMM_MAX_TOKENS = 64
 
 
 def _default_fp64_dot() -> bool | None:

@@ -207,12 +207,12 @@ def gemm_variant(request, monkeypatch):
     return use_dot
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 64, 256, 257, 333])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 65, 256, 333])  # both sides of TRITON_GEMM_MAX_TOKENS (64)
 @pytest.mark.parametrize("hidden,experts,n_group,topk_group,top_k", ROUTERS)
 def test_router(tokens, hidden, experts, n_group, topk_group, top_k, gemm_variant):
     """Logits bit-identical to `routing.router_logits` (FP64 accumulation, one rounding; cuBLAS DGEMM here),
-    ids and weights bit-identical to the reference, for route and replay (<= 256 tokens: the Triton FP64
-    GEMM; above: the reference's own GEMM)."""
+    ids and weights bit-identical to the reference, for route and replay (up to TRITON_GEMM_MAX_TOKENS: the
+    Triton FP64 GEMM; above: the reference's own GEMM)."""
     x, w, bias = _router_inputs(tokens, hidden, experts)
     kw = dict(top_k=top_k, n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5)
     logits = routing.router_logits(x, w)
