@@ -8,6 +8,7 @@ and the next pre-norm (the next layer's input norm, or the final norm after the 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -151,6 +152,10 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
             # Part of vLLM's torch.compile cache key: the graphs of the fused and the plain-PyTorch builds
             # differ, and without this a BEAM_RL_FUSED_KERNELS=0 engine would load the fused build's cache.
             vllm_config.additional_config["beam_rl_fused_kernels"] = ops.use_fused_kernels()
+        else:
+            warnings.warn("additional_config is not a dict, so beam-rl cannot add BEAM_RL_FUSED_KERNELS to vLLM's "
+                          "torch.compile cache key: set VLLM_DISABLE_COMPILE_CACHE=1 (or a VLLM_CACHE_ROOT per "
+                          "setting) when switching BEAM_RL_FUSED_KERNELS", stacklevel=2)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
