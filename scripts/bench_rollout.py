@@ -171,7 +171,8 @@ def main() -> int:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--build", choices=sorted(BUILDS), help="(internal) run one build in this process")
     ap.add_argument("--decode-tokens", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed runs per build (cheap next to the engine start; the host-bound step time jitters)")
     ap.add_argument("--prefill-len", type=int, default=2048, help="tokens per prompt of the 8-prompt prefill")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None, help="keep each build's full stdout/stderr here")
