@@ -101,7 +101,7 @@ def _router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, K, E, stride_xt, stride_we, K
     else:
         # [BLOCK_E, BLOCK_K] tiles of W; one FP64 FMA per product into a [BLOCK_T, BLOCK_E, BLOCK_K]
         # accumulator, summed over K once after the loop (a tl.sum over K inside the loop spreads K over
-        # lanes and costs FP64 shuffles per tile: 2819 PTX lines per iteration against 145 at 16x64x8).
+        # lanes and costs FP64 shuffles per tile: 2819 PTX lines per iteration against 148 at 16x64x8).
         # The next tiles are loaded before this tile's FMAs, so their latency overlaps the arithmetic; the
         # last prefetch reads the next split's first tile (or masks past K) and is not used.
         acc3 = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float64)

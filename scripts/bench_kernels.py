@@ -277,14 +277,15 @@ def _sweep(label, t, shapes, run, want, nbytes, copy_bw):
 # router launches per token count: (RouterLaunch(block_t, block_e, block_k, gemm warps, top-k warps), split_k
 # or None = the default split); each tile keeps <= 64 FP64 accumulators a thread (t * e * k / (32 * warps))
 def _router_launches():
+    """The first launch at each size is the default (`router_ops._gemm_config`)."""
     L = router_ops.RouterLaunch
     return {
-        1: [(L(1, 64, 32, 4, 4), None), (L(1, 64, 32, 4, 1), None), (L(1, 64, 32, 4, 2), None), (L(1, 64, 64, 4, 2), None),
-            (L(1, 32, 32, 1, 1), None), (L(1, 32, 32, 1, 2), None), (L(1, 64, 16, 4, 2), None)],
-        8: [(L(8, 64, 16, 4, 4), None), (L(8, 64, 16, 4, 1), None), (L(8, 64, 16, 4, 2), None), (L(8, 32, 16, 4, 2), None),
-            (L(4, 64, 32, 4, 2), None), (L(8, 64, 8, 4, 2), None), (L(8, 64, 16, 8, 2), None)],
-        64: [(L(16, 64, 8, 4, 4), None), (L(16, 64, 8, 4, 1), None), (L(16, 64, 8, 4, 2), None), (L(32, 32, 8, 4, 2), None),
-             (L(16, 32, 16, 4, 2), None), (L(16, 64, 8, 4, 2), 32), (L(16, 64, 8, 4, 2), 8), (L(16, 64, 16, 8, 2), None)],
+        1: [(L(1, 32, 32, 1, 4), None), (L(1, 32, 32, 1, 2), None), (L(1, 64, 32, 4, 4), None), (L(1, 32, 32, 2, 4), None),
+            (L(1, 32, 64, 1, 4), None), (L(1, 16, 32, 1, 4), None), (L(1, 64, 32, 4, 1), None)],
+        8: [(L(8, 32, 16, 4, 4), None), (L(8, 32, 16, 4, 2), None), (L(8, 64, 16, 4, 4), None), (L(4, 32, 32, 4, 4), None),
+            (L(8, 32, 32, 4, 4), None), (L(8, 16, 32, 4, 4), None), (L(8, 32, 16, 2, 4), None)],
+        64: [(L(16, 32, 16, 4, 4), None), (L(16, 32, 16, 4, 2), None), (L(16, 64, 8, 4, 4), None), (L(16, 32, 8, 4, 4), None),
+             (L(32, 32, 8, 4, 4), None), (L(16, 16, 32, 4, 4), None), (L(16, 32, 16, 4, 4), 32), (L(16, 32, 16, 8, 4), None)],
     }
 
 
