@@ -102,18 +102,31 @@ def run_build(args) -> dict:
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
 
 
-def gpu_time(fn) -> tuple[float, int]:
-    """(ms of GPU activity, number of kernels/copies) while fn runs, from the torch profiler (CUPTI,
-    which also records the kernels inside CUDA-graph replays). The engine core runs in this process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0, set for every build), so its kernels are seen here."""
+def profiled(fn, host: bool = False):
+    """(profiler events, wall ms) of one call of fn under the torch profiler: CUDA activity (CUPTI, which
+    also records the kernels inside CUDA-graph replays), with `host` also the host's. The engine core
+    runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set for every build), so its kernels are seen."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-    device = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        window_ms = (time.perf_counter() - t0) * 1e3
+    return prof.events(), window_ms
+
+
+def _on(events, device_type: str) -> list:
+    import torch
+
+    return [e for e in events if e.device_type == getattr(torch.autograd.DeviceType, device_type)]
+
+
+def gpu_time(fn) -> tuple[float, int]:
+    """(ms of GPU activity, number of kernels/copies) while fn runs."""
+    device = _on(profiled(fn)[0], "CUDA")
     return sum(e.device_time_total for e in device) / 1e3, len(device)
 
 
@@ -122,40 +135,25 @@ def step_trace(fn, steps: int) -> dict:
     host and GPU activity. Reports the window, the GPU's busy time (union of kernel/copy intervals), the
     kernels by GPU time and the host calls by self time, per step, and the host's blocking waits
     (stream/event/device synchronisations and synchronous copies)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    events, window_ms = profiled(fn, host=True)
+    device, cpu = _on(events, "CUDA"), _on(events, "CPU")
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in device):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        window_ms = (time.perf_counter() - t0) * 1e3
-    events = prof.events()
-    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in device)
-    busy, cur_s, cur_e = 0.0, None, None
-    for a, b in spans:
-        if cur_e is None or a > cur_e:
-            busy += 0.0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = a, b
-        else:
-            cur_e = max(cur_e, b)
-    busy += 0.0 if cur_e is None else cur_e - cur_s
-    kernels, host = {}, {}
-    for e in device:
-        k = kernels.setdefault(e.name[:90], [0, 0.0])
-        k[0] += 1
-        k[1] += e.device_time_total
-    for e in events:
-        if e.device_type == torch.autograd.DeviceType.CPU:
-            h = host.setdefault(e.name[:90], [0, 0.0])
-            h[0] += 1
-            h[1] += e.self_cpu_time_total
-    waits = {n: v for n, v in host.items() if "Synchronize" in n or n in ("cudaMemcpy", "cudaMemcpy2D")}
-    per = lambda d: sorted(([n, c / steps, us / steps] for n, (c, us) in d.items()), key=lambda r: -r[2])  # noqa: E731
+    def per_step(evs, us_of) -> list:  # [name, calls/step, us/step], largest first
+        tally: dict[str, list] = {}
+        for e in evs:
+            row = tally.setdefault(e.name[:90], [0, 0.0])
+            row[0] += 1
+            row[1] += us_of(e)
+        return sorted(([n, c / steps, us / steps] for n, (c, us) in tally.items()), key=lambda r: -r[2])
+
+    host = per_step(cpu, lambda e: e.self_cpu_time_total)
     out = dict(trace_window_ms_per_step=window_ms / steps, trace_gpu_busy_ms_per_step=busy / 1e3 / steps,
-               trace_kernels=per(kernels)[:30], trace_host=per(host)[:40], trace_waits=per(waits))
+               trace_kernels=per_step(device, lambda e: e.device_time_total)[:30], trace_host=host[:40],
+               trace_waits=[r for r in host if "Synchronize" in r[0] or r[0] in ("cudaMemcpy", "cudaMemcpy2D")])
     print(f"[trace] {steps} steps: window {window_ms / steps:.3f} ms/step (profiled), GPU busy "
           f"{busy / 1e3 / steps:.3f} ms/step", flush=True)
     for title, rows in (("kernels (GPU us/step)", out["trace_kernels"][:25]), ("host (self us/step)", out["trace_host"][:30]),
