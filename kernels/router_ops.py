@@ -173,6 +173,9 @@ def _router_topk_kernel(part_ptr, bias_ptr, ids_in_ptr, w_out_ptr, ids_out_ptr, 
     tl.store(ids_out_ptr + t * TOPK + kk, ids.to(ids_out_ptr.dtype.element_ty), mask=kk < TOPK)
 
 
+TOPK_WARPS = 4  # the top-k program's warps unless a RouterLaunch says otherwise
+
+
 class RouterLaunch(NamedTuple):
     """The GEMM's tile and warps and the top-k program's warps, overriding the defaults
     (`bench_kernels.py --tune` sweeps them). The top-k keeps 4 warps: on the H200 one warp was slower
@@ -182,7 +185,7 @@ class RouterLaunch(NamedTuple):
     block_e: int
     block_k: int
     num_warps: int = 4
-    topk_warps: int = 4
+    topk_warps: int = TOPK_WARPS
 
 
 def _gemm_config(tokens: int, hidden: int, experts: int, split_k: int | None, use_dot: bool,
@@ -256,7 +259,7 @@ def _logits_or_partials(x, weight, split_k, launch=None):
 
 
 def _topk(part, split, tokens, experts, bias, ids_in, top_k, n_group, topk_group, scaling, norm_topk_prob, ids_dtype,
-          out=None, logits_out=None, num_warps=4):
+          out=None, logits_out=None, num_warps=TOPK_WARPS):
     if out is None:
         weights = torch.empty((tokens, top_k), dtype=torch.float32, device=part.device)
         ids = torch.empty((tokens, top_k), dtype=ids_dtype, device=part.device)
@@ -295,7 +298,7 @@ def route_triton(x, weight, correction_bias, *, top_k, n_group, topk_group, rout
     part, split = _logits_or_partials(x, weight, split_k, launch)
     return _topk(part, split, tokens, experts, correction_bias, None, top_k, n_group, topk_group,
                  routed_scaling_factor, norm_topk_prob, ids_dtype, out, logits_out,
-                 num_warps=launch.topk_warps if launch is not None else 4)
+                 num_warps=launch.topk_warps if launch is not None else TOPK_WARPS)
 
 
 def replay_triton(x, weight, ids, *, routed_scaling_factor, norm_topk_prob=True, split_k=None, logits_out=None):
