@@ -293,41 +293,47 @@ def tune(copy_bw, names):
     """Sweep the launch shapes of the kernels in `names` at every size (bits checked against the reference
     per shape); any router name sweeps the 5120 x 256 router's GEMM tiles."""
     print("== tuning (launch shapes; decode sizes as CUDA-graph replays) ==", flush=True)
-    hidden, experts, ng, tg, tk = ROUTERS["router_5120x256"]
-    for t, shapes in _router_launches().items() if any(n.startswith("router") for n in names) else ():
-        x = torch.randn(t, hidden, device=DEV).to(BF16)
-        w = torch.randn(experts, hidden, device=DEV) / hidden**0.5
-        bias = 0.05 * torch.randn(experts, device=DEV)
+    names = set(names)
+    if any(n.startswith("router") for n in names):
+        hidden, experts, ng, tg, tk = ROUTERS["router_5120x256"]
         kw = dict(top_k=tk, n_group=ng, topk_group=tg, routed_scaling_factor=2.5)
-        _sweep("router", t, shapes,
-               lambda launch: router_ops.route_triton(x, w, bias, **kw, launch=launch[0], split_k=launch[1]),
-               routing.select_experts(routing.router_logits(x, w), bias, **kw), experts * hidden * 4, copy_bw)
-    for t in DECODE + [PREFILL] if {"boundary", "rms_norm"} & set(names) else ():
+        for t, shapes in _router_launches().items():
+            x = torch.randn(t, hidden, device=DEV).to(BF16)
+            w = torch.randn(experts, hidden, device=DEV) / hidden**0.5
+            bias = 0.05 * torch.randn(experts, device=DEV)
+            _sweep("router", t, shapes,
+                   lambda launch: router_ops.route_triton(x, w, bias, **kw, launch=launch[0], split_k=launch[1]),
+                   routing.select_experts(routing.router_logits(x, w), bias, **kw), experts * hidden * 4, copy_bw)
+    for t in DECODE + [PREFILL] if {"boundary", "rms_norm"} & names else ():
         x = (3 * torch.randn(t, HIDDEN, device=DEV)).to(BF16)
         h = torch.randn(t, HIDDEN, device=DEV).to(BF16)
         w = (1 + 0.2 * torch.randn(HIDDEN, device=DEV)).to(BF16)
-        _sweep("boundary", t, NORM_LAUNCHES if "boundary" in names else (),
-               lambda launch: boundary_ops.sublayer_boundary_triton(x, h, w, w, 37, EPS, launch=launch),
-               numerics.sublayer_boundary(x, h, w, w, 37, EPS), 4 * t * HIDDEN * 2, copy_bw)
-        _sweep("rms_norm", t, NORM_LAUNCHES if "rms_norm" in names else (), lambda launch: boundary_ops.rms_norm_triton(x, w, EPS, launch=launch),
-               numerics.rms_norm(x, w, EPS), 2 * t * HIDDEN * 2, copy_bw)
-    for t in DECODE + [PREFILL] if {"qk_norm_rope", "output_gate", "silu_and_mul"} & set(names) else ():
+        if "boundary" in names:
+            _sweep("boundary", t, NORM_LAUNCHES,
+                   lambda launch: boundary_ops.sublayer_boundary_triton(x, h, w, w, 37, EPS, launch=launch),
+                   numerics.sublayer_boundary(x, h, w, w, 37, EPS), 4 * t * HIDDEN * 2, copy_bw)
+        if "rms_norm" in names:
+            _sweep("rms_norm", t, NORM_LAUNCHES, lambda launch: boundary_ops.rms_norm_triton(x, w, EPS, launch=launch),
+                   numerics.rms_norm(x, w, EPS), 2 * t * HIDDEN * 2, copy_bw)
+    for t in DECODE + [PREFILL] if {"qk_norm_rope", "output_gate", "silu_and_mul"} & names else ():
         q, k, v, g, qw, kw, pos = _qkv(t)
-        cs = numerics.rope_cos_sin_cache(32768, HEAD_DIM, 10000.0).to(DEV)
-        _sweep("qk_norm_rope", t, (1, 2, 4, 8, 16) if "qk_norm_rope" in names else (),  # num_warps
-               lambda warps: qk_norm_rope_ops.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, None, num_warps=warps),
-               numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None), 2 * t * (HEADS + KV) * HEAD_DIM * 2, copy_bw)
-        attn = torch.randn(t, HEADS, HEAD_DIM, device=DEV).to(BF16)
-        bias = torch.randn(HEADS, device=DEV).to(BF16)
-        _sweep("output_gate", t, ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8))
-               if "output_gate" in names else (),
-               lambda launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch),
-               numerics.output_gate(attn, g, bias), 3 * t * HEADS * HEAD_DIM * 2, copy_bw)
-        gu = (3 * torch.randn(t, 2 * D_FF, device=DEV)).to(BF16)
-        _sweep("silu_and_mul", t, ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8))
-               if "silu_and_mul" in names else (),
-               lambda launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch),
-               numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:]), 3 * t * D_FF * 2, copy_bw)
+        if "qk_norm_rope" in names:
+            cs = numerics.rope_cos_sin_cache(32768, HEAD_DIM, 10000.0).to(DEV)
+            _sweep("qk_norm_rope", t, (1, 2, 4, 8, 16),  # num_warps
+                   lambda warps: qk_norm_rope_ops.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, None, num_warps=warps),
+                   numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, None), 2 * t * (HEADS + KV) * HEAD_DIM * 2,
+                   copy_bw)
+        if "output_gate" in names:
+            attn = torch.randn(t, HEADS, HEAD_DIM, device=DEV).to(BF16)
+            bias = torch.randn(HEADS, device=DEV).to(BF16)
+            _sweep("output_gate", t, ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)),
+                   lambda launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch),
+                   numerics.output_gate(attn, g, bias), 3 * t * HEADS * HEAD_DIM * 2, copy_bw)
+        if "silu_and_mul" in names:
+            gu = (3 * torch.randn(t, 2 * D_FF, device=DEV)).to(BF16)
+            _sweep("silu_and_mul", t, ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)),
+                   lambda launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch),
+                   numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:]), 3 * t * D_FF * 2, copy_bw)
 
 
 def _dump(path, rows):
