@@ -22,21 +22,54 @@ def inv_rms(ss, factor, eps):
 
 
 @triton.jit
-def _rsqrt_mean(x, factor, eps):
-    """`inv_rms` of FP32 x [ROWS, CHUNK] per row (FP32 squares, FP64 sum) -> [ROWS, 1]."""
-    return inv_rms(tl.sum((x * x).to(tl.float64), axis=1, keep_dims=True), factor, eps)
+def squares64(x, BITS: tl.constexpr):
+    """x * x in FP64, elementwise, for FP32 x holding BF16/FP16 values (whose FP32 squares are exact, so
+    both ways give the reference's squares).
+
+    BITS=False converts the FP32 square (F2F: 16 per clock per SM on sm_90, the limit at prefill).
+    BITS=True builds |x| as FP64 from its bits (exponent rebiased 127 -> 1023 by one shift-add: the low
+    mantissa bits are zero) and squares it in FP64; zeros and subnormals decode to values below 2^-126
+    (`squares_from_bits` says why that is harmless) and NaN to a finite value, so `sumsq` adds a NaN probe."""
+    if BITS:
+        hi = (tl.abs(x).to(tl.uint32, bitcast=True) >> 3) + 0x38000000
+        d = (hi.to(tl.uint64) << 32).to(tl.float64, bitcast=True)
+        return d * d
+    else:
+        return (x * x).to(tl.float64)
+
+
+@triton.jit
+def nan_probe(ss, probe):
+    """ss, or NaN where the FP32 row sum `probe` of |x| is NaN (a NaN in the row; `squares64(BITS=True)`
+    decodes NaN as a finite value)."""
+    return tl.where(probe != probe, probe.to(tl.float64), ss)
+
+
+@triton.jit
+def sumsq(x, BITS: tl.constexpr):
+    """FP64 sum of each row's squares of FP32 x [ROWS, C] -> [ROWS, 1] (`numerics.sum_of_squares`)."""
+    ss = tl.sum(squares64(x, BITS), axis=1, keep_dims=True)
+    if BITS:
+        ss = nan_probe(ss, tl.sum(tl.abs(x), axis=1, keep_dims=True))
+    return ss
 
 
 @triton.jit
 def _inv_rms_walk(ptr, r, row_ok, stride, n, factor, eps, ROWS: tl.constexpr, NCHUNK: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    """`_rsqrt_mean` of rows r [ROWS, 1] of ptr, walked in NCHUNK chunks (FP64 lane sums, then a tree)."""
+                  CHUNK: tl.constexpr, BITS: tl.constexpr):
+    """`inv_rms` of rows r [ROWS, 1] of ptr, walked in NCHUNK chunks (FP64 lane sums, then a tree)."""
     acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
+    probe = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
     for ci in tl.static_range(NCHUNK):
         c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
         x = tl.load(ptr + r * stride + c, mask=row_ok & (c < n), other=0.0).to(tl.float32)
-        acc += (x * x).to(tl.float64)
-    return inv_rms(tl.sum(acc, axis=1, keep_dims=True), factor, eps)
+        acc += squares64(x, BITS)
+        if BITS:
+            probe += tl.abs(x)
+    ss = tl.sum(acc, axis=1, keep_dims=True)
+    if BITS:
+        ss = nan_probe(ss, tl.sum(probe, axis=1, keep_dims=True))
+    return inv_rms(ss, factor, eps)
 
 
 @triton.jit
@@ -46,18 +79,27 @@ def _load_f32(ptr, off, m):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps, factor,
-                     ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr):
+                     ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr,
+                     BITS: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = out_ptr.dtype.element_ty
-    if NCHUNK == 1:  # the whole row in registers
+    if NCHUNK == 1:  # the whole row in registers: columns [0, CHUNK) and, if TAIL, [CHUNK, CHUNK + TAIL)
         c = tl.arange(0, CHUNK)[None, :]
         m = row_ok & (c < n)
         x = _load_f32(x_ptr, r * stride_x + c, m)
-        tl.store(out_ptr + r * stride_o + c, ((x * _rsqrt_mean(x, factor, eps)) * _load_f32(w_ptr, c, c < n)).to(dt),
-                 mask=m)
+        ss = sumsq(x, BITS)
+        if TAIL > 0:
+            ct = CHUNK + tl.arange(0, TAIL)[None, :]
+            mt = row_ok & (ct < n)
+            xt = _load_f32(x_ptr, r * stride_x + ct, mt)
+            ss += sumsq(xt, BITS)
+        inv = inv_rms(ss, factor, eps)
+        tl.store(out_ptr + r * stride_o + c, ((x * inv) * _load_f32(w_ptr, c, c < n)).to(dt), mask=m)
+        if TAIL > 0:
+            tl.store(out_ptr + r * stride_o + ct, ((xt * inv) * _load_f32(w_ptr, ct, ct < n)).to(dt), mask=mt)
     else:
-        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK)
+        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK, BITS)
         for ci in tl.static_range(NCHUNK):  # second walk: the row comes from L1/L2, not HBM
             c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
             m = row_ok & (c < n)
@@ -67,47 +109,74 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps
 
 @triton.jit
 def _residual_add(x, h, w, inv, x_scale, r_scale, dt):
-    """h' = round(round(round(postnorm(x)) * x_scale) + round(h * r_scale)), returned as FP32."""
+    """h' = round(round(round(postnorm(x)) * x_scale) + round(h * r_scale)) in dt (stored as is; its FP32
+    value is an exact unpack, so the kernel never rounds it a second time)."""
     y = ((x * inv) * w).to(dt).to(tl.float32)
     a = (y * x_scale).to(dt).to(tl.float32)
     b = (h * r_scale).to(dt).to(tl.float32)
-    return (a + b).to(dt).to(tl.float32)
+    return (a + b).to(dt)
 
 
 @triton.jit
 def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num_rows, n,
                      stride_x, stride_h, stride_ho, stride_no, eps, factor, x_scale, r_scale,
-                     HAS_NEXT: tl.constexpr, ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr):
+                     HAS_NEXT: tl.constexpr, ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr,
+                     TAIL: tl.constexpr, BITS: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = hout_ptr.dtype.element_ty
-    if NCHUNK == 1:  # the whole row in registers: each input read once
+    if NCHUNK == 1:  # the whole row in registers ([0, CHUNK) and, if TAIL, [CHUNK, CHUNK + TAIL)): read once
         c = tl.arange(0, CHUNK)[None, :]
         m = row_ok & (c < n)
         x = _load_f32(x_ptr, r * stride_x + c, m)
-        hn = _residual_add(x, _load_f32(h_ptr, r * stride_h + c, m), _load_f32(wpost_ptr, c, c < n),
-                           _rsqrt_mean(x, factor, eps), x_scale, r_scale, dt)
-        tl.store(hout_ptr + r * stride_ho + c, hn.to(dt), mask=m)
+        ss = sumsq(x, BITS)
+        if TAIL > 0:
+            ct = CHUNK + tl.arange(0, TAIL)[None, :]
+            mt = row_ok & (ct < n)
+            xt = _load_f32(x_ptr, r * stride_x + ct, mt)
+            ss += sumsq(xt, BITS)
+        inv = inv_rms(ss, factor, eps)
+        hn = _residual_add(x, _load_f32(h_ptr, r * stride_h + c, m), _load_f32(wpost_ptr, c, c < n), inv,
+                           x_scale, r_scale, dt)
+        tl.store(hout_ptr + r * stride_ho + c, hn, mask=m)
+        hn = hn.to(tl.float32)
+        ss2 = sumsq(hn, BITS)
+        if TAIL > 0:
+            hnt = _residual_add(xt, _load_f32(h_ptr, r * stride_h + ct, mt), _load_f32(wpost_ptr, ct, ct < n), inv,
+                                x_scale, r_scale, dt)
+            tl.store(hout_ptr + r * stride_ho + ct, hnt, mask=mt)
+            hnt = hnt.to(tl.float32)
+            ss2 += sumsq(hnt, BITS)
         if HAS_NEXT:
-            out = (hn * _rsqrt_mean(hn, factor, eps)) * _load_f32(wnext_ptr, c, c < n)
-            tl.store(nout_ptr + r * stride_no + c, out.to(dt), mask=m)
+            inv2 = inv_rms(ss2, factor, eps)
+            tl.store(nout_ptr + r * stride_no + c, ((hn * inv2) * _load_f32(wnext_ptr, c, c < n)).to(dt), mask=m)
+            if TAIL > 0:
+                tl.store(nout_ptr + r * stride_no + ct, ((hnt * inv2) * _load_f32(wnext_ptr, ct, ct < n)).to(dt),
+                         mask=mt)
     else:  # three walks over the row; the second and third read it from L1/L2
-        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK)
+        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK, BITS)
         acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
+        probe = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
         for ci in tl.static_range(NCHUNK):
             c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
             m = row_ok & (c < n)
             hn = _residual_add(_load_f32(x_ptr, r * stride_x + c, m), _load_f32(h_ptr, r * stride_h + c, m),
                                _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt)
-            tl.store(hout_ptr + r * stride_ho + c, hn.to(dt), mask=m)
-            acc += (hn * hn).to(tl.float64)
+            tl.store(hout_ptr + r * stride_ho + c, hn, mask=m)
+            hn = hn.to(tl.float32)
+            acc += squares64(hn, BITS)
+            if BITS:
+                probe += tl.abs(hn)
         if HAS_NEXT:
-            inv2 = inv_rms(tl.sum(acc, axis=1, keep_dims=True), factor, eps)
+            ss2 = tl.sum(acc, axis=1, keep_dims=True)
+            if BITS:
+                ss2 = nan_probe(ss2, tl.sum(probe, axis=1, keep_dims=True))
+            inv2 = inv_rms(ss2, factor, eps)
             for ci in tl.static_range(NCHUNK):  # h' recomputed from the cached inputs: same bits, no barrier
                 c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
                 m = row_ok & (c < n)
                 hn = _residual_add(_load_f32(x_ptr, r * stride_x + c, m), _load_f32(h_ptr, r * stride_h + c, m),
-                                   _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt)
+                                   _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt).to(tl.float32)
                 out = (hn * inv2) * _load_f32(wnext_ptr, c, c < n)
                 tl.store(nout_ptr + r * stride_no + c, out.to(dt), mask=m)
 
@@ -121,26 +190,51 @@ def _rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.view(-1, n)
 
 
-def launch_shape(num_rows: int, n: int) -> tuple[int, int, int]:
-    """(rows per program, warps, chunk) for rows of n elements, from `bench_kernels.py --tune` (H200).
+def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, int, int, int]:
+    """(rows per program, warps, chunk, tail) for rows of n elements, from `bench_kernels.py --tune` (H200).
 
-    chunk >= n holds whole rows in registers (each input read once): fastest at decode sizes, where
-    the kernel is latency-bound (by ~0.4 us at 5120). Above 64 rows, rows wider than 4096 are walked
-    in 1024-element chunks with 4 warps (the later walks hit L1/L2; within 1-2% of the best swept
-    shape at 16384 x 5120), narrower ones held whole. Rows under 2048 (beam-mini, beam-tiny,
-    head_dim) are packed several to a program so each still moves a few KiB."""
+    chunk + tail >= n holds whole rows in registers (each input read once): one masked power-of-two block
+    (tail 0), or a power-of-two head and tail (5120 = 4096 + 1024: no idle lanes, but each norm reduces
+    twice). chunk < n walks the row in chunks (later walks read L1/L2; the boundary recomputes its add).
+    - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps (the head+tail split's
+      extra reductions cost ~1 us at 5120);
+    - prefill, boundary: head + tail over 4 warps (80 registers at 5120, no spills): 10% faster than
+      the walk, which converts 11 values per element to the head+tail's 4.5;
+    - prefill, rms_norm: 1024-element walks over 8 warps (its second walk only re-reads x);
+    - rows under 2048 (beam-mini, beam-tiny): several rows per program so each moves a few KiB."""
     block = triton.next_power_of_2(n)
     if block < 2048:
         rows = min(triton.next_power_of_2(num_rows), 2048 // block)
-        return rows, max(1, min(8, rows * block // 256)), block
+        return rows, max(1, min(8, rows * block // 256)), block, 0
     if num_rows <= 64:
-        return 1, 16, block
-    return 1, 4, 1024 if block > 4096 else block
+        return 1, 16, block, 0
+    if kind == "rms_norm" or block > 8192:
+        return 1, 8 if kind == "rms_norm" else 4, 1024, 0
+    return (1, 4, block, 0) if block == n else (1, 4, block // 2, triton.next_power_of_2(n - block // 2))
 
 
-def _launch(launch, num_rows: int, n: int) -> tuple[int, int, int, int]:
-    rows, warps, chunk = launch or launch_shape(num_rows, n)
-    return rows, warps, triton.cdiv(n, chunk), chunk
+# `squares64(BITS=True)` above 64 rows (prefill): there the F2F conversions bound the kernels, at decode sizes
+# latency does and the NaN probe's extra reduction would cost more. The benchmark flips this to compare.
+SQUARES_FROM_BITS = True
+
+
+def squares_from_bits(x: torch.Tensor, num_rows: int, eps: float) -> bool:
+    """Whether a kernel over `num_rows` rows of x builds its FP64 squares from bits (BF16/FP16 values only:
+    an FP32 input has mantissa bits the shift would drop). Where the two ways differ, the outputs do not:
+    - misdecoded zeros and subnormals add under n * 2^-252 to a sum: an all-zero row still sums to 0;
+    - squares below 2^-126 (|x| < 2^-63) are exact here and FP32 subnormals in the reference, which can
+      move a sum only when it is far below eps * 2^-24 * n, where fl32(mean + eps) == eps either way
+      (hence eps >= 1e-20)."""
+    return SQUARES_FROM_BITS and num_rows > 64 and x.dtype in (torch.bfloat16, torch.float16) and eps >= 1e-20
+
+
+def _launch(launch, num_rows: int, n: int, kind: str) -> tuple[int, int, int, int, int]:
+    """(rows, warps, chunks, chunk, tail) of a `launch_shape` tuple (or the default)."""
+    rows, warps, chunk, tail = launch or launch_shape(num_rows, n, kind)
+    assert tail == 0 or (chunk >= n // 2 and chunk + tail >= n), f"a tail completes a whole row: {launch} for {n}"
+    if chunk + tail >= n:
+        return rows, warps, 1, chunk, tail
+    return rows, warps, triton.cdiv(n, chunk), chunk, 0
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out=None, launch=None) -> torch.Tensor:
@@ -154,10 +248,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out=No
         return out
     x2, o2 = _rows_view(x, n), out.view(-1, n)
     num_rows = x2.shape[0]
-    rows, warps, nchunk, chunk = _launch(launch, num_rows, n)
+    rows, warps, nchunk, chunk, tail = _launch(launch, num_rows, n, "rms_norm")
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x2, weight, o2, num_rows, n, x2.stride(0), o2.stride(0), eps, numerics.mean_factor(n),
-        ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, num_warps=warps, **LAUNCH_OPTS)
+        ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, TAIL=tail, BITS=squares_from_bits(x, num_rows, eps), num_warps=warps,
+        **LAUNCH_OPTS)
     return out
 
 
@@ -184,11 +279,12 @@ def sublayer_boundary_triton(sublayer_out, residual, post_norm_weight, next_norm
     x2, h2, ho2 = _rows_view(sublayer_out, n), _rows_view(residual, n), h_out.view(-1, n)
     no2 = nxt.view(-1, n) if has_next else ho2
     num_rows = x2.shape[0]
-    rows, warps, nchunk, chunk = _launch(launch, num_rows, n)
+    rows, warps, nchunk, chunk, tail = _launch(launch, num_rows, n, "boundary")
     _boundary_kernel[(triton.cdiv(num_rows, rows),)](
         x2, h2, post_norm_weight, next_norm_weight if has_next else post_norm_weight, ho2, no2, num_rows, n,
         x2.stride(0), h2.stride(0), ho2.stride(0), no2.stride(0), eps, numerics.mean_factor(n), x_scale, r_scale,
-        HAS_NEXT=has_next, ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, num_warps=warps, **LAUNCH_OPTS)
+        HAS_NEXT=has_next, ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, TAIL=tail,
+        BITS=squares_from_bits(residual, num_rows, eps), num_warps=warps, **LAUNCH_OPTS)
     return h_out, nxt
 
 

@@ -88,21 +88,25 @@ _INTERPRETED_NORMS = textwrap.dedent("""
         x, h = 3 * torch.randn(rows, n), torch.randn(rows, n)
         w1, w2 = 1 + 0.2 * torch.randn(n), 1 + 0.2 * torch.randn(n)
         out = torch.full_like(x, float("nan"))
-        B.rms_norm_triton(x, w1, EPS, out=out)
-        assert torch.equal(out, numerics.rms_norm(x, w1, EPS)), ("rms_norm", rows, n)
+        p2 = 1 << (n - 1).bit_length()
+        halves = (2, 1, n, 0) if p2 == n else (2, 1, p2 // 2, 1 << (n - p2 // 2 - 1).bit_length())
+        launches = (None, (2, 1, 128, 0), (4, 4, 8192, 0), halves)  # walks, a masked block, head + tail
+        for launch in launches:
+            B.rms_norm_triton(x, w1, EPS, out=out, launch=launch)
+            assert torch.equal(out, numerics.rms_norm(x, w1, EPS)), ("rms_norm", rows, n, launch)
         ref_h, ref_n = numerics.sublayer_boundary(x, h, w1, w2, 7, EPS)
-        for launch in (None, (2, 1, 128), (4, 4, 8192)):  # chunked walks and one whole-row chunk
+        for launch in launches:
             got = (torch.full_like(x, float("nan")), torch.full_like(x, float("nan")))
             B.sublayer_boundary_triton(x, h, w1, w2, 7, EPS, out=got, launch=launch)
             assert torch.equal(got[0], ref_h) and torch.equal(got[1], ref_n), ("boundary", rows, n, launch)
-    T, H, KV, D = 5, 6, 2, 32
-    q, k, v = 2 * torch.randn(T, H, D), torch.randn(T, KV, D), torch.randn(T, KV, D)
-    qw, kw = 1 + 0.2 * torch.randn(D), 1 + 0.2 * torch.randn(D)
     pos = torch.tensor([0, 3, 9, 1, 2])
-    for cs, ss in ((numerics.rope_cos_sin_cache(16, D, 10000.0), None), (None, numerics.ssmax_scale_cache(16))):
-        got = Q.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, ss)
-        ref = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, ss)
-        assert all(torch.equal(a, b) for a, b in zip(got, ref)), ("qk", cs is None)
+    for T, H, KV, D in ((5, 6, 2, 32), (5, 40, 8, 32)):  # 40 q heads: blocks of 16, the last one partial
+        q, k, v = 2 * torch.randn(T, H, D), torch.randn(T, KV, D), torch.randn(T, KV, D)
+        qw, kw = 1 + 0.2 * torch.randn(D), 1 + 0.2 * torch.randn(D)
+        for cs, ss in ((numerics.rope_cos_sin_cache(16, D, 10000.0), None), (None, numerics.ssmax_scale_cache(16))):
+            got = Q.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, ss)
+            ref = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, ss)
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), ("qk", H, cs is None)
     print("norms interpreted ok")
 """)
 
@@ -113,6 +117,46 @@ def test_norm_kernels_interpreted_compute_the_reference_arithmetic():
     FP32 scale, rsqrt and products). The BF16 rounding points are checked on the GPU, because the
     interpreter rounds FP32 -> BF16 towards zero."""
     run_interpreted(_INTERPRETED_NORMS, "norms interpreted ok")
+
+_INTERPRETED_SQUARES = textwrap.dedent("""
+    import torch
+    import triton
+    import triton.language as tl
+    from beam_rl import numerics
+    from beam_rl.kernels.boundary_ops import sumsq
+
+    @triton.jit
+    def sumsq_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, BITS: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.arange(0, BLOCK)[None, :]
+        x = tl.load(x_ptr + r * n + c, mask=c < n, other=0.0)
+        tl.store(out_ptr + r + tl.arange(0, 1)[:, None], sumsq(x, BITS).to(tl.float32))
+
+    torch.manual_seed(0)
+    n = 300
+    rows = [torch.randn(n) * s for s in (1.0, 3e-15, 7e15, 1e25)]  # 1e25: FP32 squares overflow to inf
+    rows += [torch.zeros(n), torch.full((n,), 2.0 ** -130)]  # zeros and BF16 subnormals
+    for special in (float("inf"), float("-inf"), float("nan")):
+        row = torch.randn(n)
+        row[17] = special
+        rows.append(row)
+    x = torch.stack(rows).to(torch.bfloat16).float()  # BF16 values held in FP32, as the kernels hold them
+    want = numerics.sum_of_squares(x).squeeze(1)
+    for bits in (False, True):
+        got = torch.full((x.shape[0],), -1.0)
+        sumsq_kernel[(x.shape[0],)](x, got, n, BLOCK=512, BITS=bits)
+        assert torch.equal(got.isnan(), want.isnan()), (bits, got, want)
+        assert torch.equal(got[~want.isnan()], want[~want.isnan()]), (bits, got, want)
+    print("squares interpreted ok")
+""")
+
+
+def test_fp64_squares_from_bits_equal_the_converted_ones():
+    """`sumsq` with the FP64 squares built from bits (prefill) and converted (decode) gives the reference's
+    FP32-rounded sum, on BF16 values of several scales, zeros, BF16 subnormals, FP32-overflowing squares,
+    +-inf and NaN (the bits decode NaN as finite: the NaN probe must restore it)."""
+    run_interpreted(_INTERPRETED_SQUARES, "squares interpreted ok")
+
 
 _INTERPRETED_ROUTER = textwrap.dedent("""
     import torch
