@@ -19,15 +19,18 @@ def _output_gate_kernel(a_ptr, g_ptr, b_ptr, o_ptr, H, D, s_at, s_ah, s_gt, s_gh
     g = tl.load(g_ptr + t * s_gt + h * s_gh + d, mask=m, other=0.0).to(tl.float32)
     bias = tl.load(b_ptr + h, mask=h < H, other=0.0).to(tl.float32)
     g = (g + bias).to(dt).to(tl.float32)
-    s = libdevice.div_rn(1.0, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)  # ATen's sigmoid: 1 / (1 + expf(-x))
+    # ATen's sigmoid, 1 / (1 + expf(-x)), with the correctly rounded reciprocal (the same value as an IEEE
+    # divide of 1, in ~10% fewer instructions: no dividend to scale)
+    s = libdevice.rcp_rn(1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
     tl.store(o_ptr + t * s_ot + h * s_oh + d, (a * s).to(dt), mask=m)
 
 
 def gate_launch_shape(tokens: int, heads: int, head_dim_p2: int) -> tuple[int, int]:
-    """(heads per program, warps): 2048 elements per program at prefill, 1024 at decode sizes so a
-    handful of tokens still spreads over many SMs (latency-bound there); `bench_kernels.py --tune`."""
-    elems = 2048 if tokens > 64 else 1024
-    return min(triton.next_power_of_2(heads), max(1, elems // head_dim_p2)), 4
+    """(heads per program, warps) from `bench_kernels.py --tune` (H200): 2048 elements per program over 4
+    warps at prefill; at decode sizes, latency-bound, 512 elements over 8 warps (<= 8 tokens) or 4 warps,
+    so each thread has one or two elements on its exp -> reciprocal chain."""
+    elems, warps = (2048, 4) if tokens > 64 else (512, 8 if tokens <= 8 else 4)
+    return min(triton.next_power_of_2(heads), max(1, elems // head_dim_p2)), warps
 
 
 def output_gate_triton(attn: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor, *, out=None,

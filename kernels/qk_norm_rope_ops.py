@@ -11,14 +11,17 @@ import torch
 from beam_rl import numerics
 
 from ._triton_compat import LAUNCH_OPTS, tl, triton, use_triton
-from .boundary_ops import inv_rms
+from .boundary_ops import inv_rms, squares_from_bits, sumsq
 
 _NORM, _ROPE, _SSMAX = 0, 1, 2
+# Q heads per block: a head count that is not a power of two (Beam-1.0's 48) is covered by blocks of 16 rather
+# than padded to 64, whose idle lanes would still issue the conversions that bound this kernel at prefill.
+Q_HEAD_BLOCK = 16
 
 
 @triton.jit
 def _normalize_rotate(src, stride_h, nh, w_ptr, cs_row, scale, dst, dst_stride_h, half, factor, eps,
-                      NP: tl.constexpr, HALF_P: tl.constexpr, MODE: tl.constexpr):
+                      NP: tl.constexpr, HALF_P: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
     """RMSNorm NP heads of one token and apply MODE (0 norm, 1 RoPE, 2 SSMax); store; return both halves.
 
     Each head is read once, as its two halves; sum of squares as `numerics.sum_of_squares` (FP64)."""
@@ -29,8 +32,7 @@ def _normalize_rotate(src, stride_h, nh, w_ptr, cs_row, scale, dst, dst_stride_h
     dt = dst.dtype.element_ty
     x1 = tl.load(src + h * stride_h + d, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + h * stride_h + half + d, mask=m, other=0.0).to(tl.float32)
-    ss = tl.sum((x1 * x1).to(tl.float64), axis=1, keep_dims=True) + tl.sum((x2 * x2).to(tl.float64), axis=1,
-                                                                            keep_dims=True)
+    ss = sumsq(x1, BITS) + sumsq(x2, BITS)
     inv2 = inv_rms(ss, factor, eps)
     w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + half + d, mask=dm, other=0.0).to(tl.float32)
@@ -59,8 +61,8 @@ def _qk_norm_rope_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, pos_ptr, cs_ptr, ssmax_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_kot,
     stride_koh, stride_cs, stride_cb, stride_co, stride_ch, block_size, H, KV, D, eps, factor,
-    ROPE: tl.constexpr, QMODE: tl.constexpr, KMODE: tl.constexpr, WRITE_CACHE: tl.constexpr, HP: tl.constexpr, KVP: tl.constexpr, HALF_P: tl.constexpr,
-    D_P: tl.constexpr,
+    ROPE: tl.constexpr, QMODE: tl.constexpr, KMODE: tl.constexpr, WRITE_CACHE: tl.constexpr, QB: tl.constexpr,
+    NQB: tl.constexpr, KVP: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr, BITS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
@@ -71,10 +73,12 @@ def _qk_norm_rope_kernel(
     else:
         scale = tl.load(ssmax_ptr + pos)
 
-    _normalize_rotate(q_ptr + t * stride_qt, stride_qh, H, qw_ptr, cs_row, scale, qo_ptr + t * stride_qot,
-                      stride_qoh, half, factor, eps, HP, HALF_P, QMODE)
+    for b in tl.static_range(NQB):  # q heads in blocks of QB: 48 = 3 x 16, no padded heads to compute
+        _normalize_rotate(q_ptr + t * stride_qt + b * QB * stride_qh, stride_qh, H - b * QB, qw_ptr, cs_row, scale,
+                          qo_ptr + t * stride_qot + b * QB * stride_qoh, stride_qoh, half, factor, eps, QB, HALF_P, QMODE,
+                          BITS)
     k1, k2 = _normalize_rotate(k_ptr + t * stride_kt, stride_kh, KV, kw_ptr, cs_row, scale,
-                               ko_ptr + t * stride_kot, stride_koh, half, factor, eps, KVP, HALF_P, KMODE)
+                               ko_ptr + t * stride_kot, stride_koh, half, factor, eps, KVP, HALF_P, KMODE, BITS)
 
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t)
@@ -139,9 +143,9 @@ def qk_norm_rope_ssmax_triton(q, k, q_norm_weight, k_norm_weight, positions, eps
     vc = kv_cache[1] if write_cache else k_out
     cstr = kc.stride() if write_cache else (0, 0, 0, 0)
     vv = v if write_cache else k
-    hp = triton.next_power_of_2(num_heads)
-    if num_warps is None:
-        num_warps = 4 if hp * head_dim <= 4096 else 8
+    qb = min(Q_HEAD_BLOCK, triton.next_power_of_2(num_heads))
+    if num_warps is None:  # `bench_kernels.py --tune`: latency-bound up to 64 tokens, 2 warps a token above
+        num_warps = (4 if triton.next_power_of_2(num_heads) * head_dim <= 4096 else 8) if tokens <= 64 else 2
     _qk_norm_rope_kernel[(tokens,)](
         q, k, vv, q_norm_weight, k_norm_weight, positions, table, table, q_out, k_out, kc, vc,
         slot_mapping if write_cache else positions,
@@ -149,8 +153,9 @@ def qk_norm_rope_ssmax_triton(q, k, q_norm_weight, k_norm_weight, positions, eps
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_sin_cache.stride(0) if rope else 0, cstr[0], cstr[1], cstr[2],
         kv_cache.shape[2] if write_cache else 1, num_heads, num_kv, head_dim, eps, numerics.mean_factor(head_dim),
-        ROPE=rope, QMODE=_ROPE if rope else _SSMAX, KMODE=_ROPE if rope else _NORM, WRITE_CACHE=write_cache, HP=hp, KVP=triton.next_power_of_2(num_kv),
+        ROPE=rope, QMODE=_ROPE if rope else _SSMAX, KMODE=_ROPE if rope else _NORM, WRITE_CACHE=write_cache, QB=qb, NQB=triton.cdiv(num_heads, qb), KVP=triton.next_power_of_2(num_kv),
         HALF_P=triton.next_power_of_2(head_dim // 2), D_P=triton.next_power_of_2(head_dim),
+        BITS=squares_from_bits(q, tokens, eps),
         num_warps=num_warps, **LAUNCH_OPTS)
     return q_out, k_out
 

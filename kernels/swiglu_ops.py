@@ -48,8 +48,10 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, o
     if out.numel() == 0:
         return out
     o2 = out.view(-1, width)
-    # 2048 x 4 warps at prefill, 1024 x 8 warps at decode sizes (`bench_kernels.py --tune`)
-    block, warps = launch or ((2048, 4) if o2.shape[0] > 64 else (1024, 8))
+    # `bench_kernels.py --tune` (H200): 2048 x 4 warps at prefill; at decode sizes (latency-bound) 1024 x 8
+    # warps, and 512 x 8 up to 8 tokens (two elements a thread)
+    rows = o2.shape[0]
+    block, warps = launch or ((2048, 4) if rows > 64 else (1024, 8) if rows > 8 else (512, 8))
     block = min(block, triton.next_power_of_2(width))
     _silu_and_mul_kernel[(o2.shape[0], triton.cdiv(width, block))](
         g2, u2, o2, width, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=warps, **LAUNCH_OPTS)
