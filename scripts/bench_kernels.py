@@ -260,18 +260,31 @@ def run_case(kernel, size, tokens, make, copy_bw, decode):
     return row
 
 
-NORM_LAUNCHES = [(1, 4, 1024), (1, 8, 1024), (1, 4, 2048), (1, 8, 2048), (1, 16, 2048), (1, 4, 8192), (1, 8, 8192),
-                 (2, 8, 1024), (2, 8, 2048), (2, 16, 2048)]  # (rows per program, warps, chunk)
+# (rows per program, warps, chunk, tail): chunk < 5120 walks the row; 8192 holds it as one masked block,
+# 4096 + 1024 as a head and a tail (`boundary_ops.launch_shape`)
+NORM_LAUNCHES = [(1, 4, 1024, 0), (1, 8, 1024, 0), (1, 8, 2048, 0), (1, 8, 8192, 0), (1, 16, 8192, 0), (1, 2, 4096, 1024),
+                 (1, 4, 4096, 1024), (1, 8, 4096, 1024), (1, 16, 4096, 1024), (2, 8, 4096, 1024)]
 
 
 def _sweep(label, t, shapes, run, want, nbytes, copy_bw):
-    """Time run(shape) for each launch shape (CUDA-graph replays at decode sizes) and check its bits."""
-    for shape in shapes:
-        call = lambda shape=shape: run(shape)  # noqa: E731
-        exact = same_bits(call(), want)
-        us = graph_bench(call) if t != PREFILL else bench(call)
-        print(f"tune {label:12} T={t:5d} launch={shape}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
-              f"  exact {exact}", flush=True)
+    """Time run(shape) for each launch shape (CUDA-graph replays at decode sizes) and check its bits. The
+    norm kernels at prefill size sweep each shape twice: FP64 squares converted and built from bits
+    (`boundary_ops.SQUARES_FROM_BITS`, which only acts above 64 rows)."""
+    variants = [(label, None)]
+    if t == PREFILL and label in ("boundary", "rms_norm", "qk_norm_rope"):
+        variants = [(f"{label}/bits{int(bits)}", bits) for bits in (False, True)]
+    default = boundary_ops.SQUARES_FROM_BITS
+    try:
+        for name, bits in variants:
+            boundary_ops.SQUARES_FROM_BITS = default if bits is None else bits
+            for shape in shapes:
+                call = lambda shape=shape: run(shape)  # noqa: E731
+                exact = same_bits(call(), want)
+                us = graph_bench(call) if t != PREFILL else bench(call)
+                print(f"tune {name:12} T={t:5d} launch={shape}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
+                      f"  exact {exact}", flush=True)
+    finally:
+        boundary_ops.SQUARES_FROM_BITS = default
 
 
 # router launches per token count: (RouterLaunch(block_t, block_e, block_k, gemm warps, top-k warps), split_k
@@ -326,12 +339,14 @@ def tune(copy_bw, names):
         if "output_gate" in names:
             attn = torch.randn(t, HEADS, HEAD_DIM, device=DEV).to(BF16)
             bias = torch.randn(HEADS, device=DEV).to(BF16)
-            _sweep("output_gate", t, ((1, 1), (2, 1), (4, 2), (8, 4), (16, 4), (32, 4), (32, 8), (64, 8)),
+            _sweep("output_gate", t, ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (4, 8), (8, 4), (16, 4), (32, 4),
+                                      (32, 8), (64, 8)),
                    lambda launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch),
                    numerics.output_gate(attn, g, bias), 3 * t * HEADS * HEAD_DIM * 2, copy_bw)
         if "silu_and_mul" in names:
             gu = (3 * torch.randn(t, 2 * D_FF, device=DEV)).to(BF16)
-            _sweep("silu_and_mul", t, ((256, 1), (512, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)),
+            _sweep("silu_and_mul", t, ((128, 4), (256, 4), (256, 8), (512, 8), (512, 16), (256, 1), (512, 2), (1024, 4),
+                                       (1024, 8), (2048, 4), (2048, 8), (4096, 8)),
                    lambda launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch),
                    numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:]), 3 * t * D_FF * 2, copy_bw)
 

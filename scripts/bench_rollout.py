@@ -19,6 +19,7 @@ log-probs (they share the numerics contract; compiled PyTorch may re-round).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -50,6 +51,8 @@ def use_fp32_sum_of_squares() -> None:
 
 
 def run_build(args) -> dict:
+    if args.cpus:  # before vLLM starts its threads: they inherit the mask
+        os.sched_setaffinity(0, parse_cpus(args.cpus))
     from vllm import LLM, SamplingParams
 
     extra = {}
@@ -71,6 +74,12 @@ def run_build(args) -> dict:
         llm = LLM(**engine_args, enforce_eager=True)
         mode = "enforce_eager"
     start_s = time.time() - t0
+    cfg = llm.llm_engine.vllm_config
+    engine = dict(async_scheduling=cfg.scheduler_config.async_scheduling,
+                  cudagraph_mode=str(cfg.compilation_config.cudagraph_mode),
+                  compilation_mode=str(cfg.compilation_config.mode),
+                  v2_model_runner=getattr(cfg, "use_v2_model_runner", None))
+    print(f"[{args.build}] engine: {engine}", flush=True)
     from beam_rl.checkpoint import load_config
 
     vocab = load_config(args.checkpoint).vocab_size
@@ -85,6 +94,11 @@ def run_build(args) -> dict:
     timed([prompt], 8)  # warm-up
     n = args.decode_tokens
     decode = [(timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3 for _ in range(args.repeats)]
+    with step_clock(llm) as steps_ms:  # the same decode, one engine step at a time
+        timed([prompt], 1 + n)
+    steady = sorted(steps_ms[2:-1])  # drop the prefill and the first decode step, and the final drain
+    step_stats = dict(decode_step_ms_median=statistics.median(steady), decode_step_ms_p10=steady[len(steady) // 10],
+                      decode_step_ms_p90=steady[len(steady) * 9 // 10]) if steady else {}
     long_prompts = [[(i * 31 + j * 17) % vocab for i in range(args.prefill_len)] for j in range(8)]
     timed(long_prompts, 1)
     prefill = [timed(long_prompts, 1) * 1e3 for _ in range(args.repeats)]
@@ -95,11 +109,65 @@ def run_build(args) -> dict:
         gpu = dict(decode_gpu_ms=(full[0] - one[0]) / n, decode_kernels_per_step=(full[1] - one[1]) / n,
                    prefill_gpu_ms=pre[0], prefill_kernels=pre[1])
     trace = step_trace(lambda: timed([prompt], 1 + args.trace_steps), args.trace_steps) if args.trace_steps else {}
+    if args.host_profile:
+        trace["host_profile"] = host_profile(lambda: timed([prompt], 1 + n), n)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
-    return dict(build=args.build, mode=mode, engine_start_s=start_s, decode_ms=statistics.median(decode),
-                decode_ms_all=decode, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
+    return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, decode_ms=statistics.median(decode),
+                decode_ms_all=decode, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0-7,12' -> {0, ..., 7, 12}; every CPU must exist on this machine."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    missing = cpus - os.sched_getaffinity(0)
+    if missing:
+        raise SystemExit(f"--cpus {spec}: CPUs {sorted(missing)} are not available here ({sorted(os.sched_getaffinity(0))})")
+    return cpus
+
+
+@contextlib.contextmanager
+def step_clock(llm):
+    """Yields a list that receives the wall ms of every `llm_engine.step()` (one engine-core step and its
+    output processing) while the block runs: the per-step distribution behind the decode average."""
+    engine = llm.llm_engine
+    durations: list[float] = []
+    original = engine.step
+
+    def step():
+        t = time.perf_counter()
+        out = original()
+        durations.append((time.perf_counter() - t) * 1e3)
+        return out
+
+    engine.step = step
+    try:
+        yield durations
+    finally:
+        del engine.step  # back to the class's method
+
+
+def host_profile(fn, steps: int, top: int = 30) -> list:
+    """cProfile of one decode run: the Python functions with the most own time, as [name, calls/step,
+    own us/step, cumulative us/step]. cProfile slows Python calls, so read the shares, not the totals."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(((f"{os.path.basename(file)}:{line}:{name}", calls / steps, tt / steps * 1e6, ct / steps * 1e6)
+                   for (file, line, name), (_, calls, tt, ct, _) in stats.items()), key=lambda r: -r[2])[:top]
+    print(f"[trace] host profile ({steps} steps; own us/step, cumulative us/step):", flush=True)
+    for name, calls, own, cum in rows:
+        print(f"[trace]   {own:9.1f} us own {cum:9.1f} us cum {calls:7.1f} calls  {name}", flush=True)
+    return rows
 
 
 def profiled(fn, host: bool = False):
@@ -180,6 +248,11 @@ def main() -> int:
                          "or VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's separate engine-core process: no GPU-time pass then)")
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="also profile this many decode steps with host activity and print where a step's time goes")
+    ap.add_argument("--cpus", default="",
+                    help="pin every build's process to these CPUs (e.g. 0-7): the step time is host-bound, and "
+                         "builds that land on different cores are not comparable")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also run one decode under cProfile and print the Python functions with the most host time")
     ap.add_argument("--no-gpu-time", dest="gpu_time", action="store_false",
                     help="skip the profiled pass that measures GPU time and kernel count per step")
     args = ap.parse_args()
@@ -202,6 +275,11 @@ def main() -> int:
             cmd.append("--no-gpu-time")
         if args.trace_steps and not separate_core:
             cmd += ["--trace-steps", str(args.trace_steps)]
+        if args.host_profile:
+            cmd.append("--host-profile")
+        if args.cpus:
+            parse_cpus(args.cpus)  # fail here, not in every build
+            cmd += ["--cpus", args.cpus]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if args.log_dir:
             os.makedirs(args.log_dir, exist_ok=True)
@@ -214,8 +292,12 @@ def main() -> int:
             continue
         results[name] = json.loads(lines[-1][len("RESULT "):])
         for line in proc.stdout.splitlines():
-            if line.startswith("[trace]"):
+            if line.startswith(("[trace]", f"[{name}] engine")):
                 print(f"[{name}] {line}", flush=True)
+        r = results[name]
+        if "decode_step_ms_median" in r:
+            print(f"[{name}] engine steps: median {r['decode_step_ms_median']:.3f} ms (p10 {r['decode_step_ms_p10']:.3f}, "
+                  f"p90 {r['decode_step_ms_p90']:.3f})", flush=True)
         print(f"[{name}] start {results[name]['engine_start_s']:.0f} s, decode {results[name]['decode_ms']:.3f} ms/step, "
               f"prefill {results[name]['prefill_ms']:.1f} ms ({results[name]['mode']})", flush=True)
     if failed or not set(MAIN_BUILDS) <= set(results):
@@ -248,6 +330,10 @@ def main() -> int:
         print(f"| {name} | {r['decode_ms']:.3f} | {e['decode_ms'] / r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | "
               f"{e['prefill_ms'] / r['prefill_ms']:.2f} |")
     print(f"fused vs compiled: decode {c['decode_ms'] / f['decode_ms']:.2f}x, prefill {c['prefill_ms'] / f['prefill_ms']:.2f}x")
+    if all("decode_step_ms_median" in r for r in results.values()):
+        summary.update({f"decode_step_ms_median_{name}": r["decode_step_ms_median"] for name, r in results.items()})
+        print("engine step medians (ms): " + ", ".join(f"{name} {r['decode_step_ms_median']:.3f} "
+                                                      f"(p10 {r['decode_step_ms_p10']:.3f})" for name, r in results.items()))
     if all("decode_gpu_ms" in r for r in results.values()):
         for key in ("decode_gpu_ms", "prefill_gpu_ms"):
             summary.update({f"{key}_{name}": r[key] for name, r in results.items()})
