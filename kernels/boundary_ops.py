@@ -22,54 +22,22 @@ def inv_rms(ss, factor, eps):
 
 
 @triton.jit
-def squares64(x, BITS: tl.constexpr):
-    """x * x in FP64, elementwise, for FP32 x holding BF16/FP16 values (whose FP32 squares are exact, so
-    both ways give the reference's squares).
-
-    BITS=False converts the FP32 square (F2F: 16 per clock per SM on sm_90, the limit at prefill).
-    BITS=True builds |x| as FP64 from its bits (exponent rebiased 127 -> 1023 by one shift-add: the low
-    mantissa bits are zero) and squares it in FP64; zeros and subnormals decode to values below 2^-126
-    (`squares_from_bits` says why that is harmless) and NaN to a finite value, so `sumsq` adds a NaN probe."""
-    if BITS:
-        hi = (tl.abs(x).to(tl.uint32, bitcast=True) >> 3) + 0x38000000
-        d = (hi.to(tl.uint64) << 32).to(tl.float64, bitcast=True)
-        return d * d
-    else:
-        return (x * x).to(tl.float64)
-
-
-@triton.jit
-def nan_probe(ss, probe):
-    """ss, or NaN where the FP32 row sum `probe` of |x| is NaN (a NaN in the row; `squares64(BITS=True)`
-    decodes NaN as a finite value)."""
-    return tl.where(probe != probe, probe.to(tl.float64), ss)
-
-
-@triton.jit
-def sumsq(x, BITS: tl.constexpr):
-    """FP64 sum of each row's squares of FP32 x [ROWS, C] -> [ROWS, 1] (`numerics.sum_of_squares`)."""
-    ss = tl.sum(squares64(x, BITS), axis=1, keep_dims=True)
-    if BITS:
-        ss = nan_probe(ss, tl.sum(tl.abs(x), axis=1, keep_dims=True))
-    return ss
+def sumsq(x):
+    """FP64 sum of each row's squares of FP32 x [ROWS, C] -> [ROWS, 1] (`numerics.sum_of_squares`: FP32
+    squares, exact for BF16 x, converted to FP64)."""
+    return tl.sum((x * x).to(tl.float64), axis=1, keep_dims=True)
 
 
 @triton.jit
 def _inv_rms_walk(ptr, r, row_ok, stride, n, factor, eps, ROWS: tl.constexpr, NCHUNK: tl.constexpr,
-                  CHUNK: tl.constexpr, BITS: tl.constexpr):
+                  CHUNK: tl.constexpr):
     """`inv_rms` of rows r [ROWS, 1] of ptr, walked in NCHUNK chunks (FP64 lane sums, then a tree)."""
     acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
-    probe = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
     for ci in tl.static_range(NCHUNK):
         c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
         x = tl.load(ptr + r * stride + c, mask=row_ok & (c < n), other=0.0).to(tl.float32)
-        acc += squares64(x, BITS)
-        if BITS:
-            probe += tl.abs(x)
-    ss = tl.sum(acc, axis=1, keep_dims=True)
-    if BITS:
-        ss = nan_probe(ss, tl.sum(probe, axis=1, keep_dims=True))
-    return inv_rms(ss, factor, eps)
+        acc += (x * x).to(tl.float64)
+    return inv_rms(tl.sum(acc, axis=1, keep_dims=True), factor, eps)
 
 
 @triton.jit
@@ -79,8 +47,7 @@ def _load_f32(ptr, off, m):
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps, factor,
-                     ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr,
-                     BITS: tl.constexpr):
+                     ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = out_ptr.dtype.element_ty
@@ -88,18 +55,18 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps
         c = tl.arange(0, CHUNK)[None, :]
         m = row_ok & (c < n)
         x = _load_f32(x_ptr, r * stride_x + c, m)
-        ss = sumsq(x, BITS)
+        ss = sumsq(x)
         if TAIL > 0:
             ct = CHUNK + tl.arange(0, TAIL)[None, :]
             mt = row_ok & (ct < n)
             xt = _load_f32(x_ptr, r * stride_x + ct, mt)
-            ss += sumsq(xt, BITS)
+            ss += sumsq(xt)
         inv = inv_rms(ss, factor, eps)
         tl.store(out_ptr + r * stride_o + c, ((x * inv) * _load_f32(w_ptr, c, c < n)).to(dt), mask=m)
         if TAIL > 0:
             tl.store(out_ptr + r * stride_o + ct, ((xt * inv) * _load_f32(w_ptr, ct, ct < n)).to(dt), mask=mt)
     else:
-        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK, BITS)
+        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK)
         for ci in tl.static_range(NCHUNK):  # second walk: the row comes from L1/L2, not HBM
             c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
             m = row_ok & (c < n)
@@ -121,7 +88,7 @@ def _residual_add(x, h, w, inv, x_scale, r_scale, dt):
 def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num_rows, n,
                      stride_x, stride_h, stride_ho, stride_no, eps, factor, x_scale, r_scale,
                      HAS_NEXT: tl.constexpr, ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr,
-                     TAIL: tl.constexpr, BITS: tl.constexpr):
+                     TAIL: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = hout_ptr.dtype.element_ty
@@ -129,24 +96,24 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
         c = tl.arange(0, CHUNK)[None, :]
         m = row_ok & (c < n)
         x = _load_f32(x_ptr, r * stride_x + c, m)
-        ss = sumsq(x, BITS)
+        ss = sumsq(x)
         if TAIL > 0:
             ct = CHUNK + tl.arange(0, TAIL)[None, :]
             mt = row_ok & (ct < n)
             xt = _load_f32(x_ptr, r * stride_x + ct, mt)
-            ss += sumsq(xt, BITS)
+            ss += sumsq(xt)
         inv = inv_rms(ss, factor, eps)
         hn = _residual_add(x, _load_f32(h_ptr, r * stride_h + c, m), _load_f32(wpost_ptr, c, c < n), inv,
                            x_scale, r_scale, dt)
         tl.store(hout_ptr + r * stride_ho + c, hn, mask=m)
         hn = hn.to(tl.float32)
-        ss2 = sumsq(hn, BITS)
+        ss2 = sumsq(hn)
         if TAIL > 0:
             hnt = _residual_add(xt, _load_f32(h_ptr, r * stride_h + ct, mt), _load_f32(wpost_ptr, ct, ct < n), inv,
                                 x_scale, r_scale, dt)
             tl.store(hout_ptr + r * stride_ho + ct, hnt, mask=mt)
             hnt = hnt.to(tl.float32)
-            ss2 += sumsq(hnt, BITS)
+            ss2 += sumsq(hnt)
         if HAS_NEXT:
             inv2 = inv_rms(ss2, factor, eps)
             tl.store(nout_ptr + r * stride_no + c, ((hn * inv2) * _load_f32(wnext_ptr, c, c < n)).to(dt), mask=m)
@@ -154,9 +121,8 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
                 tl.store(nout_ptr + r * stride_no + ct, ((hnt * inv2) * _load_f32(wnext_ptr, ct, ct < n)).to(dt),
                          mask=mt)
     else:  # three walks over the row; the second and third read it from L1/L2
-        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK, BITS)
+        inv = _inv_rms_walk(x_ptr, r, row_ok, stride_x, n, factor, eps, ROWS, NCHUNK, CHUNK)
         acc = tl.zeros([ROWS, CHUNK], dtype=tl.float64)
-        probe = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
         for ci in tl.static_range(NCHUNK):
             c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
             m = row_ok & (c < n)
@@ -164,14 +130,9 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
                                _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt)
             tl.store(hout_ptr + r * stride_ho + c, hn, mask=m)
             hn = hn.to(tl.float32)
-            acc += squares64(hn, BITS)
-            if BITS:
-                probe += tl.abs(hn)
+            acc += (hn * hn).to(tl.float64)
         if HAS_NEXT:
-            ss2 = tl.sum(acc, axis=1, keep_dims=True)
-            if BITS:
-                ss2 = nan_probe(ss2, tl.sum(probe, axis=1, keep_dims=True))
-            inv2 = inv_rms(ss2, factor, eps)
+            inv2 = inv_rms(tl.sum(acc, axis=1, keep_dims=True), factor, eps)
             for ci in tl.static_range(NCHUNK):  # h' recomputed from the cached inputs: same bits, no barrier
                 c = ci * CHUNK + tl.arange(0, CHUNK)[None, :]
                 m = row_ok & (c < n)
@@ -213,21 +174,6 @@ def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, in
     return (1, 4, block, 0) if block == n else (1, 4, block // 2, triton.next_power_of_2(n - block // 2))
 
 
-# `squares64(BITS=True)` above 64 rows (prefill): there the F2F conversions bound the kernels, at decode sizes
-# latency does and the NaN probe's extra reduction would cost more. The benchmark flips this to compare.
-SQUARES_FROM_BITS = True
-
-
-def squares_from_bits(x: torch.Tensor, num_rows: int, eps: float) -> bool:
-    """Whether a kernel over `num_rows` rows of x builds its FP64 squares from bits (BF16/FP16 values only:
-    an FP32 input has mantissa bits the shift would drop). Where the two ways differ, the outputs do not:
-    - misdecoded zeros and subnormals add under n * 2^-252 to a sum: an all-zero row still sums to 0;
-    - squares below 2^-126 (|x| < 2^-63) are exact here and FP32 subnormals in the reference, which can
-      move a sum only when it is far below eps * 2^-24 * n, where fl32(mean + eps) == eps either way
-      (hence eps >= 1e-20)."""
-    return SQUARES_FROM_BITS and num_rows > 64 and x.dtype in (torch.bfloat16, torch.float16) and eps >= 1e-20
-
-
 def _launch(launch, num_rows: int, n: int, kind: str) -> tuple[int, int, int, int, int]:
     """(rows, warps, chunks, chunk, tail) of a `launch_shape` tuple (or the default)."""
     rows, warps, chunk, tail = launch or launch_shape(num_rows, n, kind)
@@ -251,8 +197,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out=No
     rows, warps, nchunk, chunk, tail = _launch(launch, num_rows, n, "rms_norm")
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x2, weight, o2, num_rows, n, x2.stride(0), o2.stride(0), eps, numerics.mean_factor(n),
-        ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, TAIL=tail, BITS=squares_from_bits(x, num_rows, eps), num_warps=warps,
-        **LAUNCH_OPTS)
+        ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, TAIL=tail, num_warps=warps, **LAUNCH_OPTS)
     return out
 
 
@@ -283,8 +228,8 @@ def sublayer_boundary_triton(sublayer_out, residual, post_norm_weight, next_norm
     _boundary_kernel[(triton.cdiv(num_rows, rows),)](
         x2, h2, post_norm_weight, next_norm_weight if has_next else post_norm_weight, ho2, no2, num_rows, n,
         x2.stride(0), h2.stride(0), ho2.stride(0), no2.stride(0), eps, numerics.mean_factor(n), x_scale, r_scale,
-        HAS_NEXT=has_next, ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, TAIL=tail,
-        BITS=squares_from_bits(residual, num_rows, eps), num_warps=warps, **LAUNCH_OPTS)
+        HAS_NEXT=has_next, ROWS=rows, NCHUNK=nchunk, CHUNK=chunk, TAIL=tail, num_warps=warps,
+        **LAUNCH_OPTS)
     return h_out, nxt
 
 

@@ -11,7 +11,7 @@ import torch
 from beam_rl import numerics
 
 from ._triton_compat import LAUNCH_OPTS, tl, triton, use_triton
-from .boundary_ops import inv_rms, squares_from_bits, sumsq
+from .boundary_ops import inv_rms, sumsq
 
 _NORM, _ROPE, _SSMAX = 0, 1, 2
 # Q heads per block: a head count that is not a power of two (Beam-1.0's 48) is covered by blocks of 16 rather
@@ -21,7 +21,7 @@ Q_HEAD_BLOCK = 16
 
 @triton.jit
 def _normalize_rotate(src, stride_h, nh, w_ptr, cs_row, scale, dst, dst_stride_h, half, factor, eps,
-                      NP: tl.constexpr, HALF_P: tl.constexpr, MODE: tl.constexpr, BITS: tl.constexpr):
+                      NP: tl.constexpr, HALF_P: tl.constexpr, MODE: tl.constexpr):
     """RMSNorm NP heads of one token and apply MODE (0 norm, 1 RoPE, 2 SSMax); store; return both halves.
 
     Each head is read once, as its two halves; sum of squares as `numerics.sum_of_squares` (FP64)."""
@@ -32,7 +32,7 @@ def _normalize_rotate(src, stride_h, nh, w_ptr, cs_row, scale, dst, dst_stride_h
     dt = dst.dtype.element_ty
     x1 = tl.load(src + h * stride_h + d, mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(src + h * stride_h + half + d, mask=m, other=0.0).to(tl.float32)
-    ss = sumsq(x1, BITS) + sumsq(x2, BITS)
+    ss = sumsq(x1) + sumsq(x2)
     inv2 = inv_rms(ss, factor, eps)
     w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + half + d, mask=dm, other=0.0).to(tl.float32)
@@ -62,7 +62,7 @@ def _qk_norm_rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh, stride_kot,
     stride_koh, stride_cs, stride_cb, stride_co, stride_ch, block_size, H, KV, D, eps, factor,
     ROPE: tl.constexpr, QMODE: tl.constexpr, KMODE: tl.constexpr, WRITE_CACHE: tl.constexpr, QB: tl.constexpr,
-    NQB: tl.constexpr, KVP: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr, BITS: tl.constexpr,
+    NQB: tl.constexpr, KVP: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
@@ -75,10 +75,9 @@ def _qk_norm_rope_kernel(
 
     for b in tl.static_range(NQB):  # q heads in blocks of QB: 48 = 3 x 16, no padded heads to compute
         _normalize_rotate(q_ptr + t * stride_qt + b * QB * stride_qh, stride_qh, H - b * QB, qw_ptr, cs_row, scale,
-                          qo_ptr + t * stride_qot + b * QB * stride_qoh, stride_qoh, half, factor, eps, QB, HALF_P, QMODE,
-                          BITS)
+                          qo_ptr + t * stride_qot + b * QB * stride_qoh, stride_qoh, half, factor, eps, QB, HALF_P, QMODE)
     k1, k2 = _normalize_rotate(k_ptr + t * stride_kt, stride_kh, KV, kw_ptr, cs_row, scale,
-                               ko_ptr + t * stride_kot, stride_koh, half, factor, eps, KVP, HALF_P, KMODE, BITS)
+                               ko_ptr + t * stride_kot, stride_koh, half, factor, eps, KVP, HALF_P, KMODE)
 
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t)
@@ -155,7 +154,6 @@ def qk_norm_rope_ssmax_triton(q, k, q_norm_weight, k_norm_weight, positions, eps
         kv_cache.shape[2] if write_cache else 1, num_heads, num_kv, head_dim, eps, numerics.mean_factor(head_dim),
         ROPE=rope, QMODE=_ROPE if rope else _SSMAX, KMODE=_ROPE if rope else _NORM, WRITE_CACHE=write_cache, QB=qb, NQB=triton.cdiv(num_heads, qb), KVP=triton.next_power_of_2(num_kv),
         HALF_P=triton.next_power_of_2(head_dim // 2), D_P=triton.next_power_of_2(head_dim),
-        BITS=squares_from_bits(q, tokens, eps),
         num_warps=num_warps, **LAUNCH_OPTS)
     return q_out, k_out
 

@@ -267,24 +267,13 @@ NORM_LAUNCHES = [(1, 4, 1024, 0), (1, 8, 1024, 0), (1, 8, 2048, 0), (1, 8, 8192,
 
 
 def _sweep(label, t, shapes, run, want, nbytes, copy_bw):
-    """Time run(shape) for each launch shape (CUDA-graph replays at decode sizes) and check its bits. The
-    norm kernels at prefill size sweep each shape twice: FP64 squares converted and built from bits
-    (`boundary_ops.SQUARES_FROM_BITS`, which only acts above 64 rows)."""
-    variants = [(label, None)]
-    if t == PREFILL and label in ("boundary", "rms_norm", "qk_norm_rope"):
-        variants = [(f"{label}/bits{int(bits)}", bits) for bits in (False, True)]
-    default = boundary_ops.SQUARES_FROM_BITS
-    try:
-        for name, bits in variants:
-            boundary_ops.SQUARES_FROM_BITS = default if bits is None else bits
-            for shape in shapes:
-                call = lambda shape=shape: run(shape)  # noqa: E731
-                exact = same_bits(call(), want)
-                us = graph_bench(call) if t != PREFILL else bench(call)
-                print(f"tune {name:12} T={t:5d} launch={shape}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
-                      f"  exact {exact}", flush=True)
-    finally:
-        boundary_ops.SQUARES_FROM_BITS = default
+    """Time run(shape) for each launch shape (CUDA-graph replays at decode sizes) and check its bits."""
+    for shape in shapes:
+        call = lambda shape=shape: run(shape)  # noqa: E731
+        exact = same_bits(call(), want)
+        us = graph_bench(call) if t != PREFILL else bench(call)
+        print(f"tune {label:12} T={t:5d} launch={shape}: {us:8.2f} us  bw {nbytes / (us * 1e-6) / copy_bw:.3f}"
+              f"  exact {exact}", flush=True)
 
 
 # router launches per token count: (RouterLaunch(block_t, block_e, block_k, gemm warps, top-k warps), split_k

@@ -118,46 +118,6 @@ def test_norm_kernels_interpreted_compute_the_reference_arithmetic():
     interpreter rounds FP32 -> BF16 towards zero."""
     run_interpreted(_INTERPRETED_NORMS, "norms interpreted ok")
 
-_INTERPRETED_SQUARES = textwrap.dedent("""
-    import torch
-    import triton
-    import triton.language as tl
-    from beam_rl import numerics
-    from beam_rl.kernels.boundary_ops import sumsq
-
-    @triton.jit
-    def sumsq_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, BITS: tl.constexpr):
-        r = tl.program_id(0)
-        c = tl.arange(0, BLOCK)[None, :]
-        x = tl.load(x_ptr + r * n + c, mask=c < n, other=0.0)
-        tl.store(out_ptr + r + tl.arange(0, 1)[:, None], sumsq(x, BITS).to(tl.float32))
-
-    torch.manual_seed(0)
-    n = 300
-    rows = [torch.randn(n) * s for s in (1.0, 3e-15, 7e15, 1e25)]  # 1e25: FP32 squares overflow to inf
-    rows += [torch.zeros(n), torch.full((n,), 2.0 ** -130)]  # zeros and BF16 subnormals
-    for special in (float("inf"), float("-inf"), float("nan")):
-        row = torch.randn(n)
-        row[17] = special
-        rows.append(row)
-    x = torch.stack(rows).to(torch.bfloat16).float()  # BF16 values held in FP32, as the kernels hold them
-    want = numerics.sum_of_squares(x).squeeze(1)
-    for bits in (False, True):
-        got = torch.full((x.shape[0],), -1.0)
-        sumsq_kernel[(x.shape[0],)](x, got, n, BLOCK=512, BITS=bits)
-        assert torch.equal(got.isnan(), want.isnan()), (bits, got, want)
-        assert torch.equal(got[~want.isnan()], want[~want.isnan()]), (bits, got, want)
-    print("squares interpreted ok")
-""")
-
-
-def test_fp64_squares_from_bits_equal_the_converted_ones():
-    """`sumsq` with the FP64 squares built from bits (prefill) and converted (decode) gives the reference's
-    FP32-rounded sum, on BF16 values of several scales, zeros, BF16 subnormals, FP32-overflowing squares,
-    +-inf and NaN (the bits decode NaN as finite: the NaN probe must restore it)."""
-    run_interpreted(_INTERPRETED_SQUARES, "squares interpreted ok")
-
-
 _INTERPRETED_ROUTER = textwrap.dedent("""
     import torch
     from beam_rl import routing
