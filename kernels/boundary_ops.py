@@ -159,7 +159,7 @@ def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, in
     twice). chunk < n walks the row in chunks (later walks read L1/L2; the boundary recomputes its add).
     - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps (the head+tail split's
       extra reductions cost ~1 us at 5120);
-    - prefill, boundary: head + tail over 4 warps (80 registers at 5120, no spills): 10% faster than
+    - prefill, boundary: head + tail over 4 warps (76 registers at 5120, no spills): 7% faster than
       the walk, which converts 11 values per element to the head+tail's 4.5;
     - prefill, rms_norm: 1024-element walks over 8 warps (its second walk only re-reads x);
     - rows under 2048 (beam-mini, beam-tiny): several rows per program so each moves a few KiB."""
