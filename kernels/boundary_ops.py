@@ -46,21 +46,32 @@ def _load_f32(ptr, off, m):
 
 
 @triton.jit
+def _whole_row(ptr, r, row_ok, stride, n, CHUNK: tl.constexpr, TAIL: tl.constexpr):
+    """Rows r of ptr held in registers as FP32: columns c [0, CHUNK) and, if TAIL, ct [CHUNK, CHUNK + TAIL)
+    (without a tail, ct/mt/xt repeat the head and go unused), with their FP64 sum of squares:
+    (c, m, x, ct, mt, xt, ss)."""
+    c = tl.arange(0, CHUNK)[None, :]
+    m = row_ok & (c < n)
+    x = _load_f32(ptr, r * stride + c, m)
+    ss = sumsq(x)
+    if TAIL > 0:
+        ct = CHUNK + tl.arange(0, TAIL)[None, :]
+        mt = row_ok & (ct < n)
+        xt = _load_f32(ptr, r * stride + ct, mt)
+        ss += sumsq(xt)
+    else:
+        ct, mt, xt = c, m, x
+    return c, m, x, ct, mt, xt, ss
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps, factor,
                      ROWS: tl.constexpr, NCHUNK: tl.constexpr, CHUNK: tl.constexpr, TAIL: tl.constexpr):
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = out_ptr.dtype.element_ty
-    if NCHUNK == 1:  # the whole row in registers: columns [0, CHUNK) and, if TAIL, [CHUNK, CHUNK + TAIL)
-        c = tl.arange(0, CHUNK)[None, :]
-        m = row_ok & (c < n)
-        x = _load_f32(x_ptr, r * stride_x + c, m)
-        ss = sumsq(x)
-        if TAIL > 0:
-            ct = CHUNK + tl.arange(0, TAIL)[None, :]
-            mt = row_ok & (ct < n)
-            xt = _load_f32(x_ptr, r * stride_x + ct, mt)
-            ss += sumsq(xt)
+    if NCHUNK == 1:  # the whole row in registers
+        c, m, x, ct, mt, xt, ss = _whole_row(x_ptr, r, row_ok, stride_x, n, CHUNK, TAIL)
         inv = inv_rms(ss, factor, eps)
         tl.store(out_ptr + r * stride_o + c, ((x * inv) * _load_f32(w_ptr, c, c < n)).to(dt), mask=m)
         if TAIL > 0:
@@ -92,16 +103,8 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
     r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]).to(tl.int64)
     row_ok = r < num_rows
     dt = hout_ptr.dtype.element_ty
-    if NCHUNK == 1:  # the whole row in registers ([0, CHUNK) and, if TAIL, [CHUNK, CHUNK + TAIL)): read once
-        c = tl.arange(0, CHUNK)[None, :]
-        m = row_ok & (c < n)
-        x = _load_f32(x_ptr, r * stride_x + c, m)
-        ss = sumsq(x)
-        if TAIL > 0:
-            ct = CHUNK + tl.arange(0, TAIL)[None, :]
-            mt = row_ok & (ct < n)
-            xt = _load_f32(x_ptr, r * stride_x + ct, mt)
-            ss += sumsq(xt)
+    if NCHUNK == 1:  # the whole row in registers: each input read once
+        c, m, x, ct, mt, xt, ss = _whole_row(x_ptr, r, row_ok, stride_x, n, CHUNK, TAIL)
         inv = inv_rms(ss, factor, eps)
         hn = _residual_add(x, _load_f32(h_ptr, r * stride_h + c, m), _load_f32(wpost_ptr, c, c < n), inv,
                            x_scale, r_scale, dt)
