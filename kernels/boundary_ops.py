@@ -1,8 +1,8 @@
 """Sublayer boundary: post-norm -> depth-scaled residual add -> next pre-norm, one Triton kernel per call.
 
 The first boundary (the embedding's pre-norm) is `rms_norm`; the last passes the final norm's weight
-as `next_norm_weight`; `next_norm_weight=None` stops after the residual add. Each program walks its
-rows in chunks (see `launch_shape`); every output is written once. Sums of squares follow
+as `next_norm_weight`; `next_norm_weight=None` stops after the residual add. Each program holds its
+rows in registers or walks them in chunks (see `launch_shape`); every output is written once. Sums of squares follow
 `numerics.sum_of_squares` (FP32 squares, FP64 sum in any order, rounded once), so the BF16 outputs
 equal `beam_rl.numerics` bit for bit.
 """
@@ -172,8 +172,10 @@ def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, in
         return rows, max(1, min(8, rows * block // 256)), block, 0
     if num_rows <= 64:
         return 1, 16, block, 0
-    if kind == "rms_norm" or block > 8192:
-        return 1, 8 if kind == "rms_norm" else 4, 1024, 0
+    if kind == "rms_norm":
+        return 1, 8, 1024, 0
+    if block > 8192:
+        return 1, 4, 1024, 0
     return (1, 4, block, 0) if block == n else (1, 4, block // 2, triton.next_power_of_2(n - block // 2))
 
 

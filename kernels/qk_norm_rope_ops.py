@@ -15,7 +15,7 @@ from .boundary_ops import inv_rms, sumsq
 
 _NORM, _ROPE, _SSMAX = 0, 1, 2
 # Q heads per block: a head count that is not a power of two (Beam-1.0's 48) is covered by blocks of 16 rather
-# than padded to 64, whose idle lanes would still issue the conversions that bound this kernel at prefill.
+# than padded to 64, whose idle lanes would still issue their share of the loads, conversions and arithmetic.
 Q_HEAD_BLOCK = 16
 
 
