@@ -169,8 +169,9 @@ def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, in
     twice). chunk < n walks the row in chunks (later walks read L1/L2; the boundary recomputes its add).
     - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps (the head+tail split's
       extra reductions cost ~0.6 us at 5120);
-    - prefill, boundary: head + tail over 4 warps (76 registers at 5120, no spills): 7% faster than
-      the walk, which issues 47 instructions per element (sm_90 SASS) to the head+tail's 31.6;
+    - prefill, boundary: head + tail over 4 warps (89 registers at 5120, no spills; 89% of copy
+      bandwidth): faster than the walk, which issues 47 instructions per element (sm_90 SASS) to the
+      head+tail's 31.6, and than 8 warps or a persistent loop over the rows;
     - prefill, rms_norm: 1024-element walks over 8 warps (its second walk only re-reads x);
     - rows under 2048 (beam-mini, beam-tiny): several rows per program so each moves a few KiB."""
     block = triton.next_power_of_2(n)
