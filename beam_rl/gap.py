@@ -303,13 +303,16 @@ def gap_stats(deltas: list[np.ndarray], differ: int, pairs: int) -> GapStats:
 
 def run_gap(opts: GapOptions, *, llm=None) -> dict:
     """The whole measurement; returns the report dict (`r3_on`, `r3_off`, and the set-up).
-    `llm`: an engine already running on the same checkpoint (tests share one); else one is
-    started and shut down here."""
+    `llm`: an engine already running on the same checkpoint, with `BeamWorkerExtension` (tests share
+    one); else one is started and shut down here. The trainer defines attention as the engine
+    reports computing it (`engine_attention_isa`)."""
     import numpy as np
     import torch
 
     from beam_rl.checkpoint import load_config
+    from beam_rl.megatron.attention import set_attention_dtype, trainer_attention_dtype
     from beam_rl.presets import get_preset
+    from beam_rl.rollout.worker import engine_attention_isa
 
     if opts.mode not in MODES:
         raise ValueError(f"--mode {opts.mode!r}; choose one of {sorted(MODES)}")
@@ -344,6 +347,7 @@ def run_gap(opts: GapOptions, *, llm=None) -> dict:
             llm = start_engine(checkpoint, config, opts, max_model_len=max_len + 1)
         try:
             batch = rollout(llm, prompts, config, opts, lora_dir)
+            isa = engine_attention_isa(llm)
         finally:
             if own_engine:
                 del llm
@@ -352,9 +356,11 @@ def run_gap(opts: GapOptions, *, llm=None) -> dict:
                     torch.cuda.empty_cache()
         if model is None:
             model = build_trainer(checkpoint, config, opts)
+        set_attention_dtype(model, trainer_attention_dtype(isa))  # as this engine computed attention
         report: dict = {"mode": opts.mode, "bound": mode.bound, "checkpoint": opts.checkpoint or f"preset:{opts.preset}",
                         "num_sequences": len(batch), "max_tokens": opts.max_tokens,
                         "prompt_tokens": int(sum(len(s.prompt_ids) for s in batch.samples)),
+                        "engine_attention_isa": isa,
                         "trainer_attention_dtype": next(m.attention_dtype for m in model.modules() if hasattr(m, "attention_dtype"))}
         raw: dict = {}
         for key, replay in (("r3_on", True), ("r3_off", False)):

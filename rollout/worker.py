@@ -13,12 +13,24 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
   vLLM's weight-transfer API (NCCL, `beam_gloo`), plus which parameters nothing reached;
   `beam_parameter_checksums` fingerprints the loaded model itself (reload == fresh load);
   `beam_expert_layout` says which experts this rank holds (CPU experts, expert parallelism).
+- `beam_attention_isas`: which kernels vLLM's CPU attention uses in this worker (they decide how P
+  is rounded); `engine_attention_isa(llm)` asks every worker.
 """
 
 from __future__ import annotations
 
 from beam_rl.rollout.capture import RequestRouting
 from beam_rl.rollout.compat import tensor_names
+
+
+def engine_attention_isa(llm) -> str | None:
+    """The kernel set ("amx", "vec", ...) vLLM's CPU attention uses in every worker of llm (started with
+    this extension), None where attention is not vLLM's CPU backend (CUDA); an error if workers or
+    layers disagree (a trainer can define attention one way only)."""
+    isas = {isa for worker in llm.collective_rpc("beam_attention_isas") for isa in worker}
+    if len(isas) > 1:
+        raise RuntimeError(f"vLLM's CPU attention uses different kernel sets across layers or workers: {sorted(isas)}")
+    return isas.pop() if isas else None
 
 
 class BeamWorkerExtension:
@@ -104,6 +116,11 @@ class BeamWorkerExtension:
 
         model = self._beam_model()
         return {name: tensor_checksum(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    def beam_attention_isas(self) -> list[str]:
+        """The distinct kernel sets vLLM's CPU attention chose for this worker's attention layers (its
+        metadata builder sets `isa` on each layer when the KV cache is set up); [] on other backends."""
+        return sorted({m.isa for m in self._beam_model().modules() if isinstance(getattr(m, "isa", None), str)})
 
     def beam_additional_config(self) -> dict:
         """This worker's `vllm_config.additional_config` (vLLM hashes it into its torch.compile cache key;

@@ -38,6 +38,23 @@ def test_cli_bf16_json_ci_check(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_trainer_follows_the_engines_attention_kernels(monkeypatch):
+    """The trainer defines attention as the engine reports computing it. vLLM's CPU attention forced to
+    its "vec" kernels (P kept in FP32: what a worker without AMX runs; one CI run's worker picked them
+    on an AMX machine, and the gap check failed at 0.013 against a trainer that assumed "amx"): the
+    trainer runs FP32 attention and the R3 gap stays under the bar."""
+    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+
+    from beam_rl.gap import GapOptions, run_gap
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, so the patch applies
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args, **kwargs: "vec")
+    report = run_gap(GapOptions(preset="beam-tiny", mode="bf16", num_prompts=8, max_tokens=32, progress=False))
+    print(f"\nforced vec: R3 on {report['r3_on']['mean_abs_logprob_diff']:.4f}")
+    assert report["engine_attention_isa"] == "vec" and report["trainer_attention_dtype"] == "fp32"
+    assert report["r3_on"]["mean_abs_logprob_diff"] < 0.01 and report["r3_on"]["router_disagreement"] == 0.0
+
+
 @pytest.fixture(scope="module")
 def gap_on_shared_engine(tiny_vllm, tiny_checkpoint):
     from beam_rl.gap import GapOptions, run_gap

@@ -3,7 +3,8 @@
 FP32 engine: the model is the reference to FP32 noise, so greedy tokens, routing and log-probs
 match exactly or within 1e-3. BF16 engine: vLLM's CPU attention rounds a few outputs differently
 from the FP64 reference (one BF16 ulp; on AVX512-BF16 CPUs it also rounds the probabilities to
-BF16, and the reference is then compared with that definition, `numerics.engine_attention_probs`),
+BF16 on its AMX kernels, and the reference is then compared with the definition the engine reports,
+`numerics.engine_attention_probs(engine_attention_isa(llm))`),
 and a near-tie in the router can then flip an expert; with the captured routing replayed (R3) the
 reference reproduces vLLM's log-probs and choices.
 """
@@ -22,6 +23,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from beam_rl import numerics  # noqa: E402
 from beam_rl.checkpoint import build_model, load_checkpoint, read_tensors, save_checkpoint  # noqa: E402
 from beam_rl.rollout.routing import fetch_routed_experts, moe_layers  # noqa: E402
+from beam_rl.rollout.worker import engine_attention_isa  # noqa: E402
 from beam_rl.weights import tensor_checksum  # noqa: E402
 
 
@@ -92,11 +94,12 @@ def test_fp32_engine_equals_reference(fp32_setup, tiny_config):
 
 def test_bf16_engine_with_r3_matches_reference(tiny_vllm, tiny_model, tiny_config):
     """The reference defines attention as this machine's engine computes it
-    (`numerics.engine_attention_probs`: probabilities rounded to BF16 on AVX512-BF16 CPUs)."""
+    (`numerics.engine_attention_probs` of the engine's attention kernels: probabilities rounded to BF16
+    on AMX)."""
     ps = prompts(seed=1)
     outs, routed = greedy(tiny_vllm, ps)
     diffs, agree, clear_total, disagreement, shared = [], 0, 0, [], []
-    probs = numerics.engine_attention_probs()
+    probs = numerics.engine_attention_probs(engine_attention_isa(tiny_vllm))
     with tiny_model.attention_probs(probs):
         for p, out, r in zip(ps, outs, routed):
             r_moe = moe_layers(r, tiny_config)
@@ -118,6 +121,15 @@ def test_bf16_engine_with_r3_matches_reference(tiny_vllm, tiny_model, tiny_confi
     assert d.mean() < 0.01
     assert agree == clear_total
     assert np.mean(disagreement) < 0.03
+
+
+def test_engine_reports_its_attention_kernels(tiny_vllm):
+    """The worker reports the kernel set vLLM's CPU attention chose (one for every layer), and it maps
+    to one attention definition; the CPU ISA names are vLLM's (`cpu_attn._get_attn_isa`)."""
+    isa = engine_attention_isa(tiny_vllm)
+    assert isa in ("amx", "vec", "vec16", "neon", "rvv", "vxe", "vsx"), isa
+    assert numerics.engine_attention_probs(isa) == ("bf16" if isa == "amx" else "exact")
+    assert numerics.engine_attention_probs(None) in ("bf16", "exact")  # the machine's prediction
 
 
 def test_lora_matches_merged_reference(fp32_setup):
@@ -158,12 +170,12 @@ def test_reload_equals_fresh_engine_and_verifies_checksums(tiny_vllm, tiny_confi
         assert received == sent
         after, routed = greedy(tiny_vllm, ps, max_tokens=32)
         assert [o.outputs[0].token_ids for o in after] != [o.outputs[0].token_ids for o in before]
-        assert_matches_reference(load_checkpoint(other), ps, after, routed, tiny_config)
+        assert_matches_reference(load_checkpoint(other), ps, after, routed, tiny_config, tiny_vllm)
     finally:
         reload_weights(tiny_vllm, tiny_checkpoint)
     assert tiny_vllm.collective_rpc("beam_parameter_checksums")[0] == fresh  # every parameter and buffer as freshly loaded
     again, routed = greedy(tiny_vllm, ps, max_tokens=32)
-    assert_matches_reference(load_checkpoint(tiny_checkpoint), ps, again, routed, tiny_config)
+    assert_matches_reference(load_checkpoint(tiny_checkpoint), ps, again, routed, tiny_config, tiny_vllm)
 
 
 def test_compile_cache_key_names_the_build(tiny_vllm):
@@ -197,9 +209,10 @@ def test_lm_head_is_fp32_holding_model_dtype_values(tiny_vllm, tiny_config, tiny
         reload_weights(tiny_vllm, tiny_checkpoint)
 
 
-def assert_matches_reference(ref, ps, outs, routed, config):
-    """Every request's log-probs within the BF16 engine's bound of the reference replaying its routing."""
-    with ref.attention_probs(numerics.engine_attention_probs()):
+def assert_matches_reference(ref, ps, outs, routed, config, llm):
+    """Every request's log-probs (from llm) within the BF16 engine's bound of the reference replaying
+    its routing, attention defined as llm computes it."""
+    with ref.attention_probs(numerics.engine_attention_probs(engine_attention_isa(llm))):
         for p, out, r in zip(ps, outs, routed):
             _, lp, _ = reference_logprobs(ref, p, out, routed=moe_layers(r, config))
             assert (lp - sampled_logprobs(out)).abs().mean() < 0.01, f"prompt of {len(p)} tokens"

@@ -106,6 +106,12 @@ class Job:
         else:
             self.llm = llm
             engine.verified_reload(llm, model_dir, sent)
+        from beam_rl.megatron.attention import trainer_attention_dtype
+        from beam_rl.rollout.worker import engine_attention_isa
+
+        isa = engine_attention_isa(self.llm)  # the trainer defines attention as this engine computes it
+        self.policy.set_attention_dtype(trainer_attention_dtype(isa))
+        self.log(f"rollout attention kernels: {isa or 'CUDA'}; trainer attention_dtype {trainer_attention_dtype(isa)}")
         self.lora_request = self._sync_adapter(self.start_step) if self.sync_adapter else None
 
     # -- construction / resume -------------------------------------------------------------------

@@ -81,11 +81,18 @@ class Policy:
             raise ValueError(f"train.mode={mode!r}; choose from {sorted(MODES)}")
         init_single_process()
         self.config, self.mode = config, MODES[mode]
-        # attention defined as this machine's rollout computes it (numerics.engine_attention_probs)
+        # attention as this machine's rollout is predicted to compute it; the loop sets what the engine reports
         self.model = BeamModelProvider(config, mode=self.mode.provider_mode, recompute=recompute,
                                        attention_dtype=trainer_attention_dtype()).provide_loaded(hf_tensors).train()
         self.optimizer: MasterAdamW | None = None
         self.lora_settings: tuple[int, float] | None = None
+
+    def set_attention_dtype(self, attention_dtype: str) -> None:
+        """Define attention as the rollout engine computes it (`trainer_attention_dtype` of the engine's
+        `engine_attention_isa`, once it runs)."""
+        from beam_rl.megatron.attention import set_attention_dtype
+
+        set_attention_dtype(self.model, attention_dtype)
 
     def add_lora(self, r: int, alpha: float, seed: int) -> None:
         from beam_rl.megatron.lora import add_lora

@@ -38,10 +38,23 @@ from beam_rl import numerics
 ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs")
 
 
-def trainer_attention_dtype() -> str:
-    """The `attention_dtype` that defines attention as this machine's vLLM rollout computes it
-    (`numerics.engine_attention_probs`)."""
-    return "bf16-probs" if numerics.engine_attention_probs() == "bf16" else "fp32"
+def trainer_attention_dtype(isa: str | None = None) -> str:
+    """The `attention_dtype` that defines attention as a vLLM rollout engine whose CPU attention uses
+    `isa` computes it (`numerics.engine_attention_probs`; None: this machine's prediction)."""
+    return "bf16-probs" if numerics.engine_attention_probs(isa) == "bf16" else "fp32"
+
+
+def set_attention_dtype(model: torch.nn.Module, attention_dtype: str) -> int:
+    """Redefine every `BeamSelfAttention` of model (e.g. as the rollout engine computes attention, once
+    it runs); returns how many layers were set."""
+    if attention_dtype not in ATTENTION_DTYPES:
+        raise ValueError(f"attention_dtype must be one of {ATTENTION_DTYPES}, got {attention_dtype!r}")
+    layers = [m for m in model.modules() if isinstance(m, BeamSelfAttention)]
+    if not layers:
+        raise ValueError("set_attention_dtype: the model has no BeamSelfAttention layer")
+    for m in layers:
+        m.attention_dtype = attention_dtype
+    return len(layers)
 
 
 _TABLES: dict[tuple, torch.Tensor] = {}
