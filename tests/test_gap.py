@@ -38,19 +38,31 @@ def test_cli_bf16_json_ci_check(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_trainer_follows_the_engines_attention_kernels(monkeypatch):
-    """The trainer defines attention as the engine reports computing it. vLLM's CPU attention forced to
-    its "vec" kernels (P kept in FP32: what a worker without AMX runs; one CI run's worker picked them
-    on an AMX machine, and the gap check failed at 0.013 against a trainer that assumed "amx"): the
-    trainer runs FP32 attention and the R3 gap stays under the bar."""
-    import vllm.v1.attention.backends.cpu_attn as cpu_attn
+# vLLM's CPU attention forced to its "vec" kernels, with the engine core in the same process so the
+# patch reaches it; a subprocess, because an in-process engine tears down this process's
+# torch.distributed world (and Megatron's groups on it) when it shuts down
+_FORCED_VEC_GAP = """
+import json, os
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+import vllm.v1.attention.backends.cpu_attn as cpu_attn
+cpu_attn._get_attn_isa = lambda *args, **kwargs: "vec"
+from beam_rl.gap import GapOptions, run_gap
+report = run_gap(GapOptions(preset="beam-tiny", mode="bf16", num_prompts=8, max_tokens=32, progress=False))
+print(json.dumps({k: report[k] for k in ("engine_attention_isa", "trainer_attention_dtype", "r3_on")}))
+"""
 
-    from beam_rl.gap import GapOptions, run_gap
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, so the patch applies
-    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *args, **kwargs: "vec")
-    report = run_gap(GapOptions(preset="beam-tiny", mode="bf16", num_prompts=8, max_tokens=32, progress=False))
-    print(f"\nforced vec: R3 on {report['r3_on']['mean_abs_logprob_diff']:.4f}")
+def test_trainer_follows_the_engines_attention_kernels():
+    """The trainer defines attention as the engine reports computing it. Here vLLM's CPU attention is
+    forced to its "vec" kernels, which keep P in FP32, as a worker without AMX runs them. One CI run's
+    worker picked them on an AMX machine, and the gap check then failed at 0.013 against a trainer
+    that assumed "amx". Now the trainer runs FP32 attention and the R3 gap stays under the bar."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _FORCED_VEC_GAP], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"\nforced vec: {report}")
     assert report["engine_attention_isa"] == "vec" and report["trainer_attention_dtype"] == "fp32"
     assert report["r3_on"]["mean_abs_logprob_diff"] < 0.01 and report["r3_on"]["router_disagreement"] == 0.0
 
