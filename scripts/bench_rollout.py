@@ -10,7 +10,9 @@
 
 Batch-1 decode: ms per step from (t(1 + N tokens) - t(1 token)) / N; prefill: 8 x 2048-token
 prompts, one output token, prefix caching off. Medians of --repeats runs. Each build runs in its
-own process, with vLLM's engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0). One more
+own process, with vLLM's engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0); `--rounds N`
+runs the builds round-robin N times in fresh processes and reports medians over rounds plus each
+round's ratios (processes of one configuration differed by up to 28% on the H200). One more
 profiled pass per build measures GPU time (kernels and copies) and kernels per step: at beam-mini
 size a decode step's wall time is mostly vLLM's host work, which no kernel changes. Also reports whether fused and eager builds produce identical greedy tokens and
 log-probs (they share the numerics contract; compiled PyTorch may re-round).
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -261,6 +264,61 @@ def step_trace(fn, steps: int) -> dict:
     return out
 
 
+def run_build_process(name: str, args, engine_args_json: str, log_name: str) -> dict | None:
+    """One build in its own process (`--build NAME`); its RESULT dict, or None if it failed."""
+    env = {**os.environ, **BUILDS[name]["env"]}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the build's process: the profiler sees it
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
+        env[key] = value
+    separate_core = env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
+    cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
+           "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len),
+           "--engine-args-json", engine_args_json]
+    if not args.gpu_time or separate_core:  # the profiler sees only this process
+        cmd.append("--no-gpu-time")
+    if args.trace_steps and not separate_core:
+        cmd += ["--trace-steps", str(args.trace_steps)]
+    if args.host_profile:
+        cmd.append("--host-profile")
+    if args.cpus:
+        cmd += ["--cpus", args.cpus]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        with open(os.path.join(args.log_dir, f"{log_name}.log"), "w") as fh:
+            fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(f"build {name} failed (exit {proc.returncode}):", proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
+        return None
+    for line in proc.stdout.splitlines():
+        if line.startswith(("[trace]", f"[{name}] engine")):
+            print(f"[{name}] {line}", flush=True)
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+ROUND_MEDIANS = ("decode_ms", "prefill_ms", "decode_step_ms_median", "decode_gpu_ms", "prefill_gpu_ms")
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One build's result over `--rounds` processes: the medians over rounds of its per-process medians
+    (`ROUND_MEDIANS`, each also listed as KEY_by_round), every timed repeat kept; tokens, log-probs and
+    settings from the last round, and whether every round generated the same tokens and log-probs."""
+    merged = dict(runs[-1])
+    for key in ROUND_MEDIANS:
+        if all(key in r for r in runs):
+            merged[key] = statistics.median(r[key] for r in runs)
+            merged[f"{key}_by_round"] = [r[key] for r in runs]
+    for key in ("decode_ms_all", "prefill_ms_all"):
+        merged[key] = [x for r in runs for x in r[key]]
+    merged["same_outputs_every_round"] = all(r["tokens"] == runs[0]["tokens"] and r["logprobs"] == runs[0]["logprobs"]
+                                             for r in runs)
+    return merged
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", required=True)
@@ -269,6 +327,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5,
                     help="timed runs per build (cheap next to the engine start; the host-bound step time jitters)")
     ap.add_argument("--prefill-len", type=int, default=2048, help="tokens per prompt of the 8-prompt prefill")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the builds round-robin this many times, each in a fresh process, and report medians over "
+                         "rounds (processes of one configuration differ by up to ~25%% in host speed)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None, help="keep each build's full stdout/stderr here")
     ap.add_argument("--builds", default=",".join(MAIN_BUILDS), help="comma-separated subset of " + ",".join(BUILDS))
@@ -293,48 +354,29 @@ def main() -> int:
         print("RESULT " + json.dumps(run_build(args)), flush=True)
         return 0
     engine_args_json = json.dumps(parse_engine_args(args.engine_arg))
-    results, failed = {}, []
-    for name in args.builds.split(","):
-        env = {**os.environ, **BUILDS[name]["env"]}
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the build's process: the profiler sees it
-        for item in args.env:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
-            env[key] = value
-        separate_core = env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
-        cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
-               "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len),
-               "--engine-args-json", engine_args_json]
-        if not args.gpu_time or separate_core:  # the profiler sees only this process
-            cmd.append("--no-gpu-time")
-        if args.trace_steps and not separate_core:
-            cmd += ["--trace-steps", str(args.trace_steps)]
-        if args.host_profile:
-            cmd.append("--host-profile")
-        if args.cpus:
-            parse_cpus(args.cpus)  # fail here, not in every build
-            cmd += ["--cpus", args.cpus]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if args.log_dir:
-            os.makedirs(args.log_dir, exist_ok=True)
-            with open(os.path.join(args.log_dir, f"{name}.log"), "w") as fh:
-                fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            print(f"build {name} failed (exit {proc.returncode}):", proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
-            failed.append(name)
-            continue
-        results[name] = json.loads(lines[-1][len("RESULT "):])
-        for line in proc.stdout.splitlines():
-            if line.startswith(("[trace]", f"[{name}] engine")):
-                print(f"[{name}] {line}", flush=True)
-        r = results[name]
-        if "decode_step_ms_median" in r:
-            print(f"[{name}] engine steps: median {r['decode_step_ms_median']:.3f} ms (p10 {r['decode_step_ms_p10']:.3f}, "
-                  f"p90 {r['decode_step_ms_p90']:.3f})", flush=True)
-        print(f"[{name}] start {results[name]['engine_start_s']:.0f} s, decode {results[name]['decode_ms']:.3f} ms/step, "
-              f"prefill {results[name]['prefill_ms']:.1f} ms ({results[name]['mode']})", flush=True)
+    if args.cpus:
+        parse_cpus(args.cpus)  # fail here, not in every build
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
+    builds = args.builds.split(",")
+    runs: dict[str, list[dict]] = {name: [] for name in builds}
+    failed: list[str] = []
+    for rnd in range(args.rounds):  # round-robin: a drift of the host's speed reaches every build alike
+        for name in builds:
+            if name in failed:
+                continue
+            r = run_build_process(name, args, engine_args_json, f"{name}.round{rnd}" if args.rounds > 1 else name)
+            if r is None:
+                failed.append(name)
+                continue
+            runs[name].append(r)
+            label = f"[{name}]" + (f" round {rnd}" if args.rounds > 1 else "")
+            if "decode_step_ms_median" in r:
+                print(f"{label} engine steps: median {r['decode_step_ms_median']:.3f} ms (p10 {r['decode_step_ms_p10']:.3f}, "
+                      f"p90 {r['decode_step_ms_p90']:.3f})", flush=True)
+            print(f"{label} start {r['engine_start_s']:.0f} s, decode {r['decode_ms']:.3f} ms/step, "
+                  f"prefill {r['prefill_ms']:.1f} ms ({r['mode']})", flush=True)
+    results = {name: merge_rounds(rs) for name, rs in runs.items() if rs and name not in failed}
     if failed or not set(MAIN_BUILDS) <= set(results):
         if args.json:
             with open(args.json, "w") as fh:
@@ -353,18 +395,26 @@ def main() -> int:
     summary = {
         "decode_ms_fused": f["decode_ms"], "decode_ms_compiled": c["decode_ms"], "decode_ms_eager": e["decode_ms"],
         "prefill_ms_fused": f["prefill_ms"], "prefill_ms_compiled": c["prefill_ms"], "prefill_ms_eager": e["prefill_ms"],
-        "gpu": torch.cuda.get_device_name(0), "vllm_version": vllm.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"none (CPU: {platform.processor() or platform.machine()})",
+        "vllm_version": vllm.__version__, "rounds": args.rounds,
         "fused_equals_eager_tokens": f["tokens"] == e["tokens"],
         "fused_equals_eager_logprobs": f["logprobs"] == e["logprobs"],
         "compiled_equals_eager_logprobs": c["logprobs"] == e["logprobs"],
         "eager_build_mode": e["mode"],
     }
-    print("\n| build | decode ms/step (batch 1) | x vs eager | 8x2048 prefill ms | x vs eager |")
+    print(f"\n| build | decode ms/step (batch 1) | x vs eager | 8x{args.prefill_len} prefill ms | x vs eager |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['decode_ms']:.3f} | {e['decode_ms'] / r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | "
               f"{e['prefill_ms'] / r['prefill_ms']:.2f} |")
     print(f"fused vs compiled: decode {c['decode_ms'] / f['decode_ms']:.2f}x, prefill {c['prefill_ms'] / f['prefill_ms']:.2f}x")
+    if args.rounds > 1:  # the same ratios within each round: their spread is the run-to-run noise
+        for phase in ("decode", "prefill"):
+            for base, b in (("eager", e), ("compiled", c)):
+                ratios = [x / y for x, y in zip(b[f"{phase}_ms_by_round"], f[f"{phase}_ms_by_round"])]
+                summary[f"{phase}_x_{base}_by_round"] = ratios
+                print(f"fused {phase} x {base} by round: " + ", ".join(f"{r:.2f}" for r in ratios))
+        summary["same_outputs_every_round"] = all(r["same_outputs_every_round"] for r in results.values())
     if all("decode_step_ms_median" in r for r in results.values()):
         summary.update({f"decode_step_ms_median_{name}": r["decode_step_ms_median"] for name, r in results.items()})
         print("engine step medians (ms): " + ", ".join(f"{name} {r['decode_step_ms_median']:.3f} "
