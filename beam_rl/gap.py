@@ -356,12 +356,12 @@ def run_gap(opts: GapOptions, *, llm=None) -> dict:
                     torch.cuda.empty_cache()
         if model is None:
             model = build_trainer(checkpoint, config, opts)
-        set_attention_dtype(model, trainer_attention_dtype(isa))  # as this engine computed attention
+        attention_dtype = trainer_attention_dtype(isa)  # as this engine computed attention
+        set_attention_dtype(model, attention_dtype)
         report: dict = {"mode": opts.mode, "bound": mode.bound, "checkpoint": opts.checkpoint or f"preset:{opts.preset}",
                         "num_sequences": len(batch), "max_tokens": opts.max_tokens,
                         "prompt_tokens": int(sum(len(s.prompt_ids) for s in batch.samples)),
-                        "engine_attention_isa": isa,
-                        "trainer_attention_dtype": next(m.attention_dtype for m in model.modules() if hasattr(m, "attention_dtype"))}
+                        "engine_attention_isa": isa, "trainer_attention_dtype": attention_dtype}
         raw: dict = {}
         for key, replay in (("r3_on", True), ("r3_off", False)):
             deltas, differ, pairs = recompute(model, batch, replay=replay, micro_batch=opts.micro_batch,

@@ -264,15 +264,21 @@ def step_trace(fn, steps: int) -> dict:
     return out
 
 
-def run_build_process(name: str, args, engine_args_json: str, log_name: str) -> dict | None:
-    """One build in its own process (`--build NAME`); its RESULT dict, or None if it failed."""
-    env = {**os.environ, **BUILDS[name]["env"]}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the build's process: the profiler sees it
-    for item in args.env:
+def parse_env(items: list[str]) -> dict[str, str]:
+    """['KEY=VALUE', ...] (`--env`) -> {KEY: VALUE}."""
+    parsed = {}
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
-        env[key] = value
+        parsed[key] = value
+    return parsed
+
+
+def run_build_process(name: str, args, extra_env: dict[str, str], engine_args_json: str, log_name: str) -> dict | None:
+    """One build in its own process (`--build NAME`); its RESULT dict, or None if it failed."""
+    # engine core in the build's process (the profiler sees it) unless --env says otherwise
+    env = {**os.environ, **BUILDS[name]["env"], "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **extra_env}
     separate_core = env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
     cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
            "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len),
@@ -300,11 +306,12 @@ def run_build_process(name: str, args, engine_args_json: str, log_name: str) -> 
     return json.loads(lines[-1][len("RESULT "):])
 
 
-ROUND_MEDIANS = ("decode_ms", "prefill_ms", "decode_step_ms_median", "decode_gpu_ms", "prefill_gpu_ms")
+ROUND_MEDIANS = ("decode_ms", "prefill_ms", "decode_step_ms_median", "decode_step_ms_p10", "decode_step_ms_p90",
+                 "decode_gpu_ms", "prefill_gpu_ms")
 
 
 def merge_rounds(runs: list[dict]) -> dict:
-    """One build's result over `--rounds` processes: the medians over rounds of its per-process medians
+    """One build's result over `--rounds` processes: the medians over rounds of its per-process statistics
     (`ROUND_MEDIANS`, each also listed as KEY_by_round), every timed repeat kept; tokens, log-probs and
     settings from the last round, and whether every round generated the same tokens and log-probs."""
     merged = dict(runs[-1])
@@ -353,7 +360,9 @@ def main() -> int:
     if args.build:
         print("RESULT " + json.dumps(run_build(args)), flush=True)
         return 0
-    engine_args_json = json.dumps(parse_engine_args(args.engine_arg))
+    engine_args = parse_engine_args(args.engine_arg)
+    engine_args_json = json.dumps(engine_args)
+    extra_env = parse_env(args.env)
     if args.cpus:
         parse_cpus(args.cpus)  # fail here, not in every build
     if args.rounds < 1:
@@ -365,7 +374,7 @@ def main() -> int:
         for name in builds:
             if name in failed:
                 continue
-            r = run_build_process(name, args, engine_args_json, f"{name}.round{rnd}" if args.rounds > 1 else name)
+            r = run_build_process(name, args, extra_env, engine_args_json, f"{name}.round{rnd}" if args.rounds > 1 else name)
             if r is None:
                 failed.append(name)
                 continue
@@ -432,7 +441,7 @@ def main() -> int:
                   f"{c['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} |")
     print(json.dumps(summary, indent=1))
     summary["env"] = args.env
-    summary["engine_args"] = json.loads(engine_args_json)
+    summary["engine_args"] = engine_args
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({**summary, "builds": results}, fh, indent=1)

@@ -110,8 +110,9 @@ class Job:
         from beam_rl.rollout.worker import engine_attention_isa
 
         isa = engine_attention_isa(self.llm)  # the trainer defines attention as this engine computes it
-        self.policy.set_attention_dtype(trainer_attention_dtype(isa))
-        self.log(f"rollout attention kernels: {isa or 'CUDA'}; trainer attention_dtype {trainer_attention_dtype(isa)}")
+        attention_dtype = trainer_attention_dtype(isa)
+        self.policy.set_attention_dtype(attention_dtype)
+        self.log(f"rollout attention kernels: {isa or 'CUDA'}; trainer attention_dtype {attention_dtype}")
         self.lora_request = self._sync_adapter(self.start_step) if self.sync_adapter else None
 
     # -- construction / resume -------------------------------------------------------------------
