@@ -104,26 +104,33 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
     row_ok = r < num_rows
     dt = hout_ptr.dtype.element_ty
     if NCHUNK == 1:  # the whole row in registers: each input read once
-        # the residual's loads are issued before x's reduction and its barrier, so both inputs' bytes are
-        # in flight together (issued after it, as the arithmetic needs them: 83% of copy bandwidth, not 89%)
+        # all four input loads (h and x, head and tail) are issued before the first reduction and its barrier, so
+        # the row's bytes are in flight together. Prefill, H200: h loaded where the arithmetic needs it, after x's
+        # reduction, 83% of copy bandwidth; h first but x's tail after its head's reduction, 89.5%; this, 93%
         c = tl.arange(0, CHUNK)[None, :]
-        h = tl.load(h_ptr + r * stride_h + c, mask=row_ok & (c < n), other=0.0)
+        m = row_ok & (c < n)
+        h = tl.load(h_ptr + r * stride_h + c, mask=m, other=0.0)
         if TAIL > 0:
             ct = CHUNK + tl.arange(0, TAIL)[None, :]
-            ht = tl.load(h_ptr + r * stride_h + ct, mask=row_ok & (ct < n), other=0.0)
+            mt = row_ok & (ct < n)
+            ht = tl.load(h_ptr + r * stride_h + ct, mask=mt, other=0.0)
+        x = _load_f32(x_ptr, r * stride_x + c, m)
+        if TAIL > 0:
+            xt = _load_f32(x_ptr, r * stride_x + ct, mt)
+            ss = sumsq(x) + sumsq(xt)
         else:
-            ht = h
-        c, m, x, ct, mt, xt, ss = _whole_row(x_ptr, r, row_ok, stride_x, n, CHUNK, TAIL)
+            ss = sumsq(x)
         inv = inv_rms(ss, factor, eps)
         hn = _residual_add(x, h.to(tl.float32), _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt)
         tl.store(hout_ptr + r * stride_ho + c, hn, mask=m)
         hn = hn.to(tl.float32)
-        ss2 = sumsq(hn)
         if TAIL > 0:
             hnt = _residual_add(xt, ht.to(tl.float32), _load_f32(wpost_ptr, ct, ct < n), inv, x_scale, r_scale, dt)
             tl.store(hout_ptr + r * stride_ho + ct, hnt, mask=mt)
             hnt = hnt.to(tl.float32)
-            ss2 += sumsq(hnt)
+            ss2 = sumsq(hn) + sumsq(hnt)
+        else:
+            ss2 = sumsq(hn)
         if HAS_NEXT:
             inv2 = inv_rms(ss2, factor, eps)
             tl.store(nout_ptr + r * stride_no + c, ((hn * inv2) * _load_f32(wnext_ptr, c, c < n)).to(dt), mask=m)
@@ -169,7 +176,7 @@ def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, in
     twice). chunk < n walks the row in chunks (later walks read L1/L2; the boundary recomputes its add).
     - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps (the head+tail split's
       extra reductions cost ~0.6 us at 5120);
-    - prefill, boundary: head + tail over 4 warps (89 registers at 5120, no spills; 89% of copy
+    - prefill, boundary: head + tail over 4 warps (87 registers at 5120, no spills; 93% of copy
       bandwidth): faster than the walk, which issues 47 instructions per element (sm_90 SASS) to the
       head+tail's 31.6, and than 8 warps or a persistent loop over the rows;
     - prefill, rms_norm: 1024-element walks over 8 warps (its second walk only re-reads x);
