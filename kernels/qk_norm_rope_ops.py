@@ -17,21 +17,32 @@ _NORM, _ROPE, _SSMAX = 0, 1, 2
 # Q heads per block: a head count that is not a power of two (Beam-1.0's 48) is covered by blocks of 16 rather
 # than padded to 64, whose idle lanes would still issue their share of the loads, conversions and arithmetic.
 Q_HEAD_BLOCK = 16
+# A token's Q heads come in at most this many blocks (wider blocks for more heads): the kernel issues every
+# block's loads before the first block's reduction (`_qk_norm_rope_kernel`).
+MAX_Q_BLOCKS = 4
 
 
 @triton.jit
-def _normalize_rotate(src, stride_h, nh, w_ptr, cs_row, scale, dst, dst_stride_h, half, factor, eps,
-                      NP: tl.constexpr, HALF_P: tl.constexpr, MODE: tl.constexpr):
-    """RMSNorm NP heads of one token and apply MODE (0 norm, 1 RoPE, 2 SSMax); store; return both halves.
+def _load_heads(src, stride_h, nh, half, NP: tl.constexpr, HALF_P: tl.constexpr):
+    """NP heads' two halves as stored (heads from nh on masked to 0)."""
+    h = tl.arange(0, NP)[:, None]
+    d = tl.arange(0, HALF_P)[None, :]
+    m = (h < nh) & (d < half)
+    return tl.load(src + h * stride_h + d, mask=m, other=0.0), tl.load(src + h * stride_h + half + d, mask=m, other=0.0)
 
-    Each head is read once, as its two halves; sum of squares as `numerics.sum_of_squares` (FP64)."""
+
+@triton.jit
+def _normalize_rotate(x1, x2, nh, w_ptr, cs_row, scale, dst, dst_stride_h, half, factor, eps,
+                      NP: tl.constexpr, HALF_P: tl.constexpr, MODE: tl.constexpr):
+    """RMSNorm NP heads (their halves x1, x2 from `_load_heads`) and apply MODE (0 norm, 1 RoPE, 2 SSMax);
+    store; return both halves. Sum of squares as `numerics.sum_of_squares` (FP64)."""
     h = tl.arange(0, NP)[:, None]
     d = tl.arange(0, HALF_P)[None, :]
     dm = d < half
     m = (h < nh) & dm
     dt = dst.dtype.element_ty
-    x1 = tl.load(src + h * stride_h + d, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + h * stride_h + half + d, mask=m, other=0.0).to(tl.float32)
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
     ss = sumsq(x1) + sumsq(x2)
     inv2 = inv_rms(ss, factor, eps)
     w1 = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
@@ -64,6 +75,7 @@ def _qk_norm_rope_kernel(
     ROPE: tl.constexpr, QMODE: tl.constexpr, KMODE: tl.constexpr, WRITE_CACHE: tl.constexpr, QB: tl.constexpr,
     NQB: tl.constexpr, KVP: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
 ):
+    tl.static_assert(NQB <= 4, "at most MAX_Q_BLOCKS = 4 blocks of Q heads")
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     half = D // 2
@@ -72,12 +84,37 @@ def _qk_norm_rope_kernel(
         scale = 1.0
     else:
         scale = tl.load(ssmax_ptr + pos)
+    q_src = q_ptr + t * stride_qt
+    q_dst = qo_ptr + t * stride_qot
+    # Every block's loads (and V's) are issued before the first reduction, so the token's whole 14 KiB
+    # (Beam-1.0) is in flight at once. Prefill RoPE, H200: each block loaded where it is normalised,
+    # 86.5% of copy bandwidth; one block ahead, 84-87%; all up front, 91-92% (4 warps).
+    qa1, qa2 = _load_heads(q_src, stride_qh, H, half, QB, HALF_P)
+    if NQB > 1:
+        qb1, qb2 = _load_heads(q_src + QB * stride_qh, stride_qh, H - QB, half, QB, HALF_P)
+    if NQB > 2:
+        qc1, qc2 = _load_heads(q_src + 2 * QB * stride_qh, stride_qh, H - 2 * QB, half, QB, HALF_P)
+    if NQB > 3:
+        qd1, qd2 = _load_heads(q_src + 3 * QB * stride_qh, stride_qh, H - 3 * QB, half, QB, HALF_P)
+    kx1, kx2 = _load_heads(k_ptr + t * stride_kt, stride_kh, KV, half, KVP, HALF_P)
+    if WRITE_CACHE:
+        hv = tl.arange(0, KVP)[:, None]
+        dv = tl.arange(0, D_P)[None, :]
+        mv = (hv < KV) & (dv < D)
+        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + dv, mask=mv, other=0.0)
 
-    for b in tl.static_range(NQB):  # q heads in blocks of QB: 48 = 3 x 16, no padded heads to compute
-        _normalize_rotate(q_ptr + t * stride_qt + b * QB * stride_qh, stride_qh, H - b * QB, qw_ptr, cs_row, scale,
-                          qo_ptr + t * stride_qot + b * QB * stride_qoh, stride_qoh, half, factor, eps, QB, HALF_P, QMODE)
-    k1, k2 = _normalize_rotate(k_ptr + t * stride_kt, stride_kh, KV, kw_ptr, cs_row, scale,
-                               ko_ptr + t * stride_kot, stride_koh, half, factor, eps, KVP, HALF_P, KMODE)
+    _normalize_rotate(qa1, qa2, H, qw_ptr, cs_row, scale, q_dst, stride_qoh, half, factor, eps, QB, HALF_P, QMODE)
+    if NQB > 1:
+        _normalize_rotate(qb1, qb2, H - QB, qw_ptr, cs_row, scale, q_dst + QB * stride_qoh, stride_qoh, half, factor,
+                          eps, QB, HALF_P, QMODE)
+    if NQB > 2:
+        _normalize_rotate(qc1, qc2, H - 2 * QB, qw_ptr, cs_row, scale, q_dst + 2 * QB * stride_qoh, stride_qoh, half,
+                          factor, eps, QB, HALF_P, QMODE)
+    if NQB > 3:
+        _normalize_rotate(qd1, qd2, H - 3 * QB, qw_ptr, cs_row, scale, q_dst + 3 * QB * stride_qoh, stride_qoh, half,
+                          factor, eps, QB, HALF_P, QMODE)
+    k1, k2 = _normalize_rotate(kx1, kx2, KV, kw_ptr, cs_row, scale, ko_ptr + t * stride_kot, stride_koh, half, factor,
+                               eps, KVP, HALF_P, KMODE)
 
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t)
@@ -89,10 +126,13 @@ def _qk_norm_rope_kernel(
         m = (h < KV) & (d < half) & ok
         tl.store(kc_ptr + base + h * stride_ch + d, k1, mask=m)
         tl.store(kc_ptr + base + h * stride_ch + half + d, k2, mask=m)
-        dv = tl.arange(0, D_P)[None, :]
-        mv = (h < KV) & (dv < D) & ok
-        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=mv, other=0.0)
-        tl.store(vc_ptr + base + h * stride_ch + dv, v, mask=mv)
+        tl.store(vc_ptr + base + hv * stride_ch + dv, v, mask=mv & ok)
+
+
+def q_head_block(num_heads: int) -> int:
+    """Q heads per block: Q_HEAD_BLOCK, or wider so a token needs at most MAX_Q_BLOCKS blocks."""
+    return min(triton.next_power_of_2(num_heads),
+               max(Q_HEAD_BLOCK, triton.next_power_of_2(triton.cdiv(num_heads, MAX_Q_BLOCKS))))
 
 
 def _check_heads(x: torch.Tensor, name: str, tokens: int, head_dim: int) -> None:
@@ -142,9 +182,9 @@ def qk_norm_rope_ssmax_triton(q, k, q_norm_weight, k_norm_weight, positions, eps
     vc = kv_cache[1] if write_cache else k_out
     cstr = kc.stride() if write_cache else (0, 0, 0, 0)
     vv = v if write_cache else k
-    qb = min(Q_HEAD_BLOCK, triton.next_power_of_2(num_heads))
-    if num_warps is None:  # `bench_kernels.py --tune`: latency-bound up to 64 tokens, 2 warps a token above
-        num_warps = (4 if triton.next_power_of_2(num_heads) * head_dim <= 4096 else 8) if tokens <= 64 else 2
+    qb = q_head_block(num_heads)
+    if num_warps is None:  # `bench_kernels.py --tune`: latency-bound up to 64 tokens, 4 warps a token above
+        num_warps = (4 if triton.next_power_of_2(num_heads) * head_dim <= 4096 else 8) if tokens <= 64 else 4
     _qk_norm_rope_kernel[(tokens,)](
         q, k, vv, q_norm_weight, k_norm_weight, positions, table, table, q_out, k_out, kc, vc,
         slot_mapping if write_cache else positions,

@@ -100,13 +100,21 @@ _INTERPRETED_NORMS = textwrap.dedent("""
             B.sublayer_boundary_triton(x, h, w1, w2, 7, EPS, out=got, launch=launch)
             assert torch.equal(got[0], ref_h) and torch.equal(got[1], ref_n), ("boundary", rows, n, launch)
     pos = torch.tensor([0, 3, 9, 1, 2])
-    for T, H, KV, D in ((5, 6, 2, 32), (5, 40, 8, 32)):  # 40 q heads: blocks of 16, the last one partial
+    # 40 q heads: blocks of 16, the last one partial; 72: 3 blocks of 32 (at most Q.MAX_Q_BLOCKS a token)
+    for T, H, KV, D in ((5, 6, 2, 32), (5, 40, 8, 32), (5, 72, 8, 32)):
         q, k, v = 2 * torch.randn(T, H, D), torch.randn(T, KV, D), torch.randn(T, KV, D)
         qw, kw = 1 + 0.2 * torch.randn(D), 1 + 0.2 * torch.randn(D)
         for cs, ss in ((numerics.rope_cos_sin_cache(16, D, 10000.0), None), (None, numerics.ssmax_scale_cache(16))):
             got = Q.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, ss)
             ref = numerics.qk_norm_rope_ssmax(q, k, qw, kw, pos, EPS, cs, ss)
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), ("qk", H, cs is None)
+            cache = torch.full((2, 3, 4, KV, D), float("nan"))
+            slots = torch.tensor([7, -1, 0, 11, 5])  # -1: not written
+            got = Q.qk_norm_rope_ssmax_triton(q, k, qw, kw, pos, EPS, cs, ss, v=v, kv_cache=cache, slot_mapping=slots)
+            want = torch.full_like(cache, float("nan"))
+            Q.write_kv_cache_reference(want, slots, ref[1], v)
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), ("qk + cache", H, cs is None)
+            assert torch.equal(cache.nan_to_num(-7.0), want.nan_to_num(-7.0)), ("kv cache", H, cs is None)
     print("norms interpreted ok")
 """)
 
