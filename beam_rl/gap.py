@@ -24,6 +24,7 @@ of KL(rollout || trainer) from the rollout's samples: k1 = sum_t -delta_t and k3
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -479,7 +480,25 @@ def options_from_args(args) -> GapOptions:
     )
 
 
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Point file descriptor 1 at stderr for the duration, so stdout carries only the report printed after it.
+
+    VLLM_LOGGING_STREAM (set in `start_engine`) only counts if vllm is not imported yet, and engine-core
+    processes inherit the descriptor: on the H200 (vLLM 0.26) vLLM's INFO lines came before the JSON."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def cmd_gap(args, *, llm=None) -> int:
-    report = run_gap(options_from_args(args), llm=llm)
+    with stdout_to_stderr():
+        report = run_gap(options_from_args(args), llm=llm)
     print(json.dumps(report) if args.json else format_report(report), flush=True)
     return 0

@@ -76,7 +76,7 @@ def reference_deltas(checkpoint, batch, patches=None, attention_probs="exact"):
 
 
 def main() -> None:
-    from beam_rl.gap import GapOptions, default_prompts, gap_stats, recompute, rollout, start_engine
+    from beam_rl.gap import GapOptions, default_prompts, gap_stats, recompute, rollout, start_engine, stdout_to_stderr
     from beam_rl.checkpoint import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -92,7 +92,7 @@ def main() -> None:
     args = p.parse_args()
     opts = GapOptions(preset=args.preset, num_prompts=args.num_prompts, min_prompt_len=args.min_prompt_len,
                       max_prompt_len=args.max_prompt_len, max_tokens=args.max_tokens, seed=args.seed, progress=False)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():  # stdout: only the table or JSON below
         from beam_rl.gap import _build_checkpoint
 
         ckpt = args.checkpoint or str(_build_checkpoint(args.preset, args.seed, Path(tmp) / args.preset))

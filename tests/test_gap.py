@@ -26,7 +26,7 @@ def test_cli_bf16_json_ci_check(tmp_path):
         capture_output=True, text=True, env=env, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = json.loads(proc.stdout)  # stdout is the report alone (vLLM's log lines go to stderr)
     print("\n" + json.dumps({k: report[k] for k in ("r3_on", "r3_off")}, indent=1))
     for side in ("r3_on", "r3_off"):
         assert all(k in report[side] for k in KEYS), report[side]
@@ -36,6 +36,26 @@ def test_cli_bf16_json_ci_check(tmp_path):
     assert on["router_disagreement"] == 0.0  # the routers really replayed
     assert off["router_disagreement"] > 0 and off["mean_abs_logprob_diff"] > on["mean_abs_logprob_diff"]
     assert png.stat().st_size > 1000
+
+
+_NOISY_RUN = """
+import os, subprocess, sys
+from beam_rl.gap import stdout_to_stderr
+with stdout_to_stderr():
+    print("INFO a logger on sys.stdout")
+    os.write(1, b"raw write to fd 1\\n")
+    subprocess.run([sys.executable, "-c", "print('a child process inheriting fd 1')"], check=True)
+print('{"report": 1}')
+"""
+
+
+def test_stdout_carries_only_the_report():
+    """Whatever writes to stdout during the run (vLLM's logger when vllm was imported before
+    VLLM_LOGGING_STREAM was set, engine-core processes) lands on stderr; stdout is the report alone."""
+    proc = subprocess.run([sys.executable, "-c", _NOISY_RUN], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(proc.stdout) == {"report": 1}, proc.stdout
+    for line in ("INFO a logger on sys.stdout", "raw write to fd 1", "a child process inheriting fd 1"):
+        assert line in proc.stderr
 
 
 # vLLM's CPU attention forced to its "vec" kernels, with the engine core in the same process so the
