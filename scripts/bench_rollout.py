@@ -368,6 +368,9 @@ def main() -> int:
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
     builds = args.builds.split(",")
+    unknown = sorted(set(builds) - set(BUILDS))
+    if unknown:
+        raise SystemExit(f"--builds: unknown {unknown}; choose from {sorted(BUILDS)}")
     runs: dict[str, list[dict]] = {name: [] for name in builds}
     failed: list[str] = []
     for rnd in range(args.rounds):  # round-robin: a drift of the host's speed reaches every build alike
@@ -385,67 +388,76 @@ def main() -> int:
                       f"p90 {r['decode_step_ms_p90']:.3f})", flush=True)
             print(f"{label} start {r['engine_start_s']:.0f} s, decode {r['decode_ms']:.3f} ms/step, "
                   f"prefill {r['prefill_ms']:.1f} ms ({r['mode']})", flush=True)
+            if args.json:  # every finished process is on disk, should a later one run out of time
+                with open(args.json, "w") as fh:
+                    json.dump({"partial": True, "runs": runs, "failed": failed, "env": args.env}, fh, indent=1)
     results = {name: merge_rounds(rs) for name, rs in runs.items() if rs and name not in failed}
-    if failed or not set(MAIN_BUILDS) <= set(results):
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump({"builds": results, "failed": failed, "env": args.env}, fh, indent=1)
-        for name, r in results.items():
-            print(f"| {name} | decode {r['decode_ms']:.3f} ms/step (GPU {r.get('decode_gpu_ms', float('nan')):.3f}) | "
-                  f"prefill {r['prefill_ms']:.1f} ms (GPU {r.get('prefill_gpu_ms', float('nan')):.1f}) |")
-        if failed:
-            raise SystemExit(f"builds failed: {failed}")
-        print("(fused, compiled and eager not all run: no comparison)")
-        return 0
-    import torch
-    import vllm
-
-    f, c, e = results["fused"], results["compiled"], results["eager"]
-    summary = {
-        "decode_ms_fused": f["decode_ms"], "decode_ms_compiled": c["decode_ms"], "decode_ms_eager": e["decode_ms"],
-        "prefill_ms_fused": f["prefill_ms"], "prefill_ms_compiled": c["prefill_ms"], "prefill_ms_eager": e["prefill_ms"],
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"none (CPU: {platform.processor() or platform.machine()})",
-        "vllm_version": vllm.__version__, "rounds": args.rounds,
-        "fused_equals_eager_tokens": f["tokens"] == e["tokens"],
-        "fused_equals_eager_logprobs": f["logprobs"] == e["logprobs"],
-        "compiled_equals_eager_logprobs": c["logprobs"] == e["logprobs"],
-        "eager_build_mode": e["mode"],
-    }
-    print(f"\n| build | decode ms/step (batch 1) | x vs eager | 8x{args.prefill_len} prefill ms | x vs eager |")
-    print("|---|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['decode_ms']:.3f} | {e['decode_ms'] / r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | "
-              f"{e['prefill_ms'] / r['prefill_ms']:.2f} |")
-    print(f"fused vs compiled: decode {c['decode_ms'] / f['decode_ms']:.2f}x, prefill {c['prefill_ms'] / f['prefill_ms']:.2f}x")
-    if args.rounds > 1:  # the same ratios within each round: their spread is the run-to-run noise
-        for phase in ("decode", "prefill"):
-            for base, b in (("eager", e), ("compiled", c)):
-                ratios = [x / y for x, y in zip(b[f"{phase}_ms_by_round"], f[f"{phase}_ms_by_round"])]
-                summary[f"{phase}_x_{base}_by_round"] = ratios
-                print(f"fused {phase} x {base} by round: " + ", ".join(f"{r:.2f}" for r in ratios))
-        summary["same_outputs_every_round"] = all(r["same_outputs_every_round"] for r in results.values())
-    if all("decode_step_ms_median" in r for r in results.values()):
-        summary.update({f"decode_step_ms_median_{name}": r["decode_step_ms_median"] for name, r in results.items()})
-        print("engine step medians (ms): " + ", ".join(f"{name} {r['decode_step_ms_median']:.3f} "
-                                                      f"(p10 {r['decode_step_ms_p10']:.3f})" for name, r in results.items()))
-    if all("decode_gpu_ms" in r for r in results.values()):
-        for key in ("decode_gpu_ms", "prefill_gpu_ms"):
-            summary.update({f"{key}_{name}": r[key] for name, r in results.items()})
-        print("\nGPU time (profiled pass: kernels and copies only, no host overhead)")
-        print("| build | decode GPU ms/step | kernels/step | x vs eager | x vs compiled | prefill GPU ms | x vs eager | x vs compiled |")
-        print("|---|---|---|---|---|---|---|---|")
-        for name, r in results.items():
-            print(f"| {name} | {r['decode_gpu_ms']:.3f} | {r['decode_kernels_per_step']:.0f} | "
-                  f"{e['decode_gpu_ms'] / r['decode_gpu_ms']:.2f} | {c['decode_gpu_ms'] / r['decode_gpu_ms']:.2f} | "
-                  f"{r['prefill_gpu_ms']:.1f} | {e['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} | "
-                  f"{c['prefill_gpu_ms'] / r['prefill_gpu_ms']:.2f} |")
-    print(json.dumps(summary, indent=1))
+    summary = summarize(results, args)
     summary["env"] = args.env
     summary["engine_args"] = engine_args
+    if failed:
+        summary["failed"] = failed
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({**summary, "builds": results}, fh, indent=1)
+    if failed:
+        raise SystemExit(f"builds failed: {failed}")
     return 0
+
+
+def summarize(results: dict[str, dict], args) -> dict:
+    """Print the comparison tables of the builds that ran (fused against eager and/or compiled, whichever
+    are there) and return the summary keys (`decode_ms_<build>`, ...; ratios only for builds present)."""
+    import torch
+    import vllm
+
+    summary = {
+        **{f"{phase}_ms_{name}": r[f"{phase}_ms"] for phase in ("decode", "prefill") for name, r in results.items()},
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"none (CPU: {platform.processor() or platform.machine()})",
+        "vllm_version": vllm.__version__, "rounds": args.rounds,
+    }
+    f, c, e = (results.get(name) for name in MAIN_BUILDS)
+    if f and e:
+        summary["fused_equals_eager_tokens"] = f["tokens"] == e["tokens"]
+        summary["fused_equals_eager_logprobs"] = f["logprobs"] == e["logprobs"]
+    if c and e:
+        summary["compiled_equals_eager_logprobs"] = c["logprobs"] == e["logprobs"]
+    if e:
+        summary["eager_build_mode"] = e["mode"]
+    base = e or f
+    print(f"\n| build | decode ms/step (batch 1) | x vs {'eager' if e else 'fused'} | 8x{args.prefill_len} prefill ms | x |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['decode_ms']:.3f} | {base['decode_ms'] / r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | "
+              f"{base['prefill_ms'] / r['prefill_ms']:.2f} |")
+    if f and c:
+        print(f"fused vs compiled: decode {c['decode_ms'] / f['decode_ms']:.2f}x, prefill {c['prefill_ms'] / f['prefill_ms']:.2f}x")
+    if args.rounds > 1 and f:  # the same ratios within each round: their spread is the run-to-run noise
+        for phase in ("decode", "prefill"):
+            for base_name, b in (("eager", e), ("compiled", c)):
+                if b is None:
+                    continue
+                ratios = [x / y for x, y in zip(b[f"{phase}_ms_by_round"], f[f"{phase}_ms_by_round"])]
+                summary[f"{phase}_x_{base_name}_by_round"] = ratios
+                print(f"fused {phase} x {base_name} by round: " + ", ".join(f"{r:.2f}" for r in ratios))
+    if args.rounds > 1:
+        summary["same_outputs_every_round"] = all(r["same_outputs_every_round"] for r in results.values())
+    if results and all("decode_step_ms_median" in r for r in results.values()):
+        summary.update({f"decode_step_ms_median_{name}": r["decode_step_ms_median"] for name, r in results.items()})
+        print("engine step medians (ms): " + ", ".join(f"{name} {r['decode_step_ms_median']:.3f} "
+                                                      f"(p10 {r['decode_step_ms_p10']:.3f})" for name, r in results.items()))
+    if f and results and all("decode_gpu_ms" in r for r in results.values()):
+        for key in ("decode_gpu_ms", "prefill_gpu_ms"):
+            summary.update({f"{key}_{name}": r[key] for name, r in results.items()})
+        print("\nGPU time (profiled pass: kernels and copies only, no host overhead)")
+        print("| build | decode GPU ms/step | kernels/step | x fused | prefill GPU ms | x fused |")
+        print("|---|---|---|---|---|---|")
+        for name, r in results.items():
+            print(f"| {name} | {r['decode_gpu_ms']:.3f} | {r['decode_kernels_per_step']:.0f} | "
+                  f"{r['decode_gpu_ms'] / f['decode_gpu_ms']:.2f} | {r['prefill_gpu_ms']:.1f} | "
+                  f"{r['prefill_gpu_ms'] / f['prefill_gpu_ms']:.2f} |")
+    print(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":
