@@ -174,8 +174,8 @@ def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, in
     chunk + tail >= n holds whole rows in registers (each input read once): one masked power-of-two block
     (tail 0), or a power-of-two head and tail (5120 = 4096 + 1024: no idle lanes, but each norm reduces
     twice). chunk < n walks the row in chunks (later walks read L1/L2; the boundary recomputes its add).
-    - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps (the head+tail split's
-      extra reductions cost ~0.6 us at 5120);
+    - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps (with the loads issued up
+      front, the head + tail over 8 warps ties it at 1 token, 3.67 against 3.68 us, and trails at 64);
     - prefill, boundary: head + tail over 4 warps (87 registers at 5120, no spills; 93% of copy
       bandwidth): faster than the walk, which issues 47 instructions per element (sm_90 SASS) to the
       head+tail's 31.6, and than 8 warps or a persistent loop over the rows;
