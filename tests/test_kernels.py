@@ -170,6 +170,18 @@ _INTERPRETED_ROUTER = textwrap.dedent("""
 """)
 
 
+def test_q_head_blocks_cover_every_head_in_at_most_four_blocks():
+    """The Q/K kernel issues every Q block's loads up front and unrolls at most MAX_Q_BLOCKS of them."""
+    from beam_rl.kernels import qk_norm_rope_ops as Q
+
+    for heads in range(1, 513):
+        qb = Q.q_head_block(heads)
+        blocks = -(-heads // qb)
+        assert qb & (qb - 1) == 0 and blocks <= Q.MAX_Q_BLOCKS, (heads, qb)
+        assert qb == min(Q.Q_HEAD_BLOCK, 1 << (heads - 1).bit_length()) or heads > Q.Q_HEAD_BLOCK * Q.MAX_Q_BLOCKS, heads
+    assert [Q.q_head_block(h) for h in (6, 40, 48, 64, 72, 128)] == [8, 16, 16, 16, 32, 32]
+
+
 def test_router_triton_interpreted_logits_are_the_reference():
     """The Triton router (both FP64 GEMM variants, split-K and not, masked K tails) under TRITON_INTERPRET=1:
     logits bit-identical to `routing.router_logits`, ids identical to `select_experts`. An FP32-accumulating
