@@ -9,7 +9,7 @@ reference. The FP32 router is timed at 1-64 tokens in CUDA graphs against two ba
 (`fp32_cublas_us`: FP32 logits in cuBLAS's summation order, so not the contract's; whether its ids match
 is recorded). Prints a table last; writes JSON rows to $OUT/kernels.json (or --out).
 
-    python scripts/bench_kernels.py [--only k1,k2,...] [--tune] [--out PATH]
+    python scripts/bench_kernels.py [--only k1,k2,...] [--tune] [--rounds N] [--out PATH]
 
 `--tune` first sweeps the launch shapes of the router GEMM and the memory-bound kernels (what picked
 their defaults), checking each shape's bits.
@@ -18,6 +18,7 @@ their defaults), checking each shape's bits.
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -54,6 +55,17 @@ def graph_bench(fn):
         for _ in range(GRAPH_CALLS):
             fn()
     return bench(graph.replay) / GRAPH_CALLS
+
+
+def timed_alternately(fns, timer, rounds):
+    """Median per function of `rounds` timings taken in turn (ours, eager, compile, ours, ...), so a drift of
+    the machine reaches every function alike (the Q/K kernels' prefill times are bimodal on the lent H200:
+    ~120 or ~210-240 us within one process); also the per-round lists. rounds=1 times each once."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for ts, fn in zip(times, fns):
+            ts.append(timer(fn))
+    return [statistics.median(ts) for ts in times], times
 
 
 def copy_bandwidth():
@@ -221,7 +233,7 @@ KERNELS = {
 }
 
 
-def run_case(kernel, size, tokens, make, copy_bw, decode):
+def run_case(kernel, size, tokens, make, copy_bw, decode, rounds=1):
     torch.manual_seed(hash((kernel, tokens)) % 2**31)
     FP32_FORMULA.pop(kernel, None)
     ours, ref, nbytes = make()
@@ -237,13 +249,17 @@ def run_case(kernel, size, tokens, make, copy_bw, decode):
     row = dict(kernel=kernel, size=size, tokens=tokens, bytes=nbytes, exact=exact, compile_exact=compile_exact,
                compile_differing_fraction=0.0 if compile_exact or kernel.startswith("router")
                else frac_differing(out_comp, out_ref), compile_s=round(compile_s, 1))
-    s_ours, s_eager, s_comp = bench(ours), bench(ref), bench(compiled)
+    (s_ours, s_eager, s_comp), s_rounds = timed_alternately((ours, ref, compiled), bench, rounds)
     row.update(stream_us=s_ours, stream_eager_us=s_eager, stream_compile_us=s_comp)
     if decode:
-        g_ours, g_eager, g_comp = graph_bench(ours), graph_bench(ref), graph_bench(compiled)
+        (g_ours, g_eager, g_comp), g_rounds = timed_alternately((ours, ref, compiled), graph_bench, rounds)
         row.update(timing="cuda_graph", time_us=g_ours, eager_us=g_eager, compile_us=g_comp)
     else:
+        g_rounds = s_rounds
         row.update(timing="do_bench", time_us=s_ours, eager_us=s_eager, compile_us=s_comp)
+    if rounds > 1:
+        row.update(rounds=rounds, time_us_by_round=g_rounds[0], eager_us_by_round=g_rounds[1],
+                   compile_us_by_round=g_rounds[2])
     row["bandwidth_fraction"] = nbytes / (row["time_us"] * 1e-6) / copy_bw
     row["speedup_vs_eager"] = row["eager_us"] / row["time_us"]
     row["speedup_vs_compile"] = row["compile_us"] / row["time_us"]
@@ -350,7 +366,11 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated kernel names")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.json"))
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time ours / eager / compile in turn this many times and report medians (per-round times in the JSON)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
     torch._dynamo.config.cache_size_limit = 256
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -365,7 +385,7 @@ def main():
             make = KERNELS[kernel]
             cases = [("8x2048" if t == PREFILL else f"{t}", t, (lambda t=t, m=make: m(t))) for t in DECODE + [PREFILL]]
         for size, tokens, thunk in cases:
-            row = run_case(kernel, size, tokens, thunk, copy_bw, decode=tokens != PREFILL)
+            row = run_case(kernel, size, tokens, thunk, copy_bw, decode=tokens != PREFILL, rounds=args.rounds)
             rows.append(row)
             print(json.dumps(row), flush=True)
             _dump(args.out, rows)
