@@ -350,8 +350,8 @@ def tune(copy_bw, names):
                    numerics.output_gate(attn, g, bias), 3 * t * HEADS * HEAD_DIM * 2, copy_bw)
         if "silu_and_mul" in names:
             gu = (3 * torch.randn(t, 2 * D_FF, device=DEV)).to(BF16)
-            _sweep("silu_and_mul", t, ((128, 4), (256, 4), (256, 8), (512, 8), (512, 16), (256, 1), (512, 2), (1024, 4),
-                                       (1024, 8), (2048, 4), (2048, 8), (4096, 8)),
+            _sweep("silu_and_mul", t, ((128, 4), (256, 4), (256, 8), (512, 4), (512, 8), (512, 16), (256, 1), (512, 2),
+                                       (1024, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (2048, 16), (4096, 8)),
                    lambda launch: swiglu_ops.silu_and_mul_triton(gu, launch=launch),
                    numerics.silu_and_mul(gu[:, :D_FF], gu[:, D_FF:]), 3 * t * D_FF * 2, copy_bw)
 
