@@ -47,21 +47,28 @@ def _load_f32(ptr, off, m):
 
 @triton.jit
 def _whole_row(ptr, r, row_ok, stride, n, CHUNK: tl.constexpr, TAIL: tl.constexpr):
-    """Rows r of ptr held in registers as FP32: columns c [0, CHUNK) and, if TAIL, ct [CHUNK, CHUNK + TAIL)
-    (without a tail, ct/mt/xt repeat the head and go unused), with their FP64 sum of squares:
-    (c, m, x, ct, mt, xt, ss)."""
+    """Loads of rows r of ptr, as stored, for holding them in registers: columns c [0, CHUNK) and, if TAIL,
+    ct [CHUNK, CHUNK + TAIL) (without a tail, ct/mt/xt repeat the head and go unused): (c, m, x, ct, mt, xt).
+    Callers issue every load they need before their first reduction (see `_boundary_kernel`)."""
     c = tl.arange(0, CHUNK)[None, :]
     m = row_ok & (c < n)
-    x = _load_f32(ptr, r * stride + c, m)
-    ss = sumsq(x)
+    x = tl.load(ptr + r * stride + c, mask=m, other=0.0)
     if TAIL > 0:
         ct = CHUNK + tl.arange(0, TAIL)[None, :]
         mt = row_ok & (ct < n)
-        xt = _load_f32(ptr, r * stride + ct, mt)
-        ss += sumsq(xt)
+        xt = tl.load(ptr + r * stride + ct, mask=mt, other=0.0)
     else:
         ct, mt, xt = c, m, x
-    return c, m, x, ct, mt, xt, ss
+    return c, m, x, ct, mt, xt
+
+
+@triton.jit
+def _row_sumsq(x, xt, TAIL: tl.constexpr):
+    """FP64 sum of squares of a row held as head x and (if TAIL) tail xt."""
+    if TAIL > 0:
+        return sumsq(x) + sumsq(xt)
+    else:
+        return sumsq(x)
 
 
 @triton.jit
@@ -71,8 +78,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, num_rows, n, stride_x, stride_o, eps
     row_ok = r < num_rows
     dt = out_ptr.dtype.element_ty
     if NCHUNK == 1:  # the whole row in registers
-        c, m, x, ct, mt, xt, ss = _whole_row(x_ptr, r, row_ok, stride_x, n, CHUNK, TAIL)
-        inv = inv_rms(ss, factor, eps)
+        c, m, x, ct, mt, xt = _whole_row(x_ptr, r, row_ok, stride_x, n, CHUNK, TAIL)
+        x = x.to(tl.float32)
+        xt = xt.to(tl.float32)
+        inv = inv_rms(_row_sumsq(x, xt, TAIL), factor, eps)
         tl.store(out_ptr + r * stride_o + c, ((x * inv) * _load_f32(w_ptr, c, c < n)).to(dt), mask=m)
         if TAIL > 0:
             tl.store(out_ptr + r * stride_o + ct, ((xt * inv) * _load_f32(w_ptr, ct, ct < n)).to(dt), mask=mt)
@@ -107,19 +116,11 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
         # all four input loads (h and x, head and tail) are issued before the first reduction and its barrier, so
         # the row's bytes are in flight together. Prefill, H200: h loaded where the arithmetic needs it, after x's
         # reduction, 83% of copy bandwidth; h first but x's tail after its head's reduction, 89.5%; this, 93%
-        c = tl.arange(0, CHUNK)[None, :]
-        m = row_ok & (c < n)
-        h = tl.load(h_ptr + r * stride_h + c, mask=m, other=0.0)
-        if TAIL > 0:
-            ct = CHUNK + tl.arange(0, TAIL)[None, :]
-            mt = row_ok & (ct < n)
-            ht = tl.load(h_ptr + r * stride_h + ct, mask=mt, other=0.0)
-        x = _load_f32(x_ptr, r * stride_x + c, m)
-        if TAIL > 0:
-            xt = _load_f32(x_ptr, r * stride_x + ct, mt)
-            ss = sumsq(x) + sumsq(xt)
-        else:
-            ss = sumsq(x)
+        c, m, h, ct, mt, ht = _whole_row(h_ptr, r, row_ok, stride_h, n, CHUNK, TAIL)
+        _, _, x, _, _, xt = _whole_row(x_ptr, r, row_ok, stride_x, n, CHUNK, TAIL)
+        x = x.to(tl.float32)
+        xt = xt.to(tl.float32)
+        ss = _row_sumsq(x, xt, TAIL)
         inv = inv_rms(ss, factor, eps)
         hn = _residual_add(x, h.to(tl.float32), _load_f32(wpost_ptr, c, c < n), inv, x_scale, r_scale, dt)
         tl.store(hout_ptr + r * stride_ho + c, hn, mask=m)
@@ -128,11 +129,10 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
             hnt = _residual_add(xt, ht.to(tl.float32), _load_f32(wpost_ptr, ct, ct < n), inv, x_scale, r_scale, dt)
             tl.store(hout_ptr + r * stride_ho + ct, hnt, mask=mt)
             hnt = hnt.to(tl.float32)
-            ss2 = sumsq(hn) + sumsq(hnt)
         else:
-            ss2 = sumsq(hn)
+            hnt = hn
         if HAS_NEXT:
-            inv2 = inv_rms(ss2, factor, eps)
+            inv2 = inv_rms(_row_sumsq(hn, hnt, TAIL), factor, eps)
             tl.store(nout_ptr + r * stride_no + c, ((hn * inv2) * _load_f32(wnext_ptr, c, c < n)).to(dt), mask=m)
             if TAIL > 0:
                 tl.store(nout_ptr + r * stride_no + ct, ((hnt * inv2) * _load_f32(wnext_ptr, ct, ct < n)).to(dt),
