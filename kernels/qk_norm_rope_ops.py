@@ -18,7 +18,7 @@ _NORM, _ROPE, _SSMAX = 0, 1, 2
 # than padded to 64, whose idle lanes would still issue their share of the loads, conversions and arithmetic.
 Q_HEAD_BLOCK = 16
 # A token's Q heads come in at most this many blocks (wider blocks for more heads): the kernel issues every
-# block's loads before the first block's reduction (`_qk_norm_rope_kernel`).
+# block's loads before the first block's reduction (`_qk_norm_rope_kernel`), so all of them are held at once.
 MAX_Q_BLOCKS = 4
 
 
@@ -75,7 +75,6 @@ def _qk_norm_rope_kernel(
     ROPE: tl.constexpr, QMODE: tl.constexpr, KMODE: tl.constexpr, WRITE_CACHE: tl.constexpr, QB: tl.constexpr,
     NQB: tl.constexpr, KVP: tl.constexpr, HALF_P: tl.constexpr, D_P: tl.constexpr,
 ):
-    tl.static_assert(NQB <= 4, "at most MAX_Q_BLOCKS = 4 blocks of Q heads")
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     half = D // 2
@@ -89,13 +88,9 @@ def _qk_norm_rope_kernel(
     # Every block's loads (and V's) are issued before the first reduction, so the token's whole 14 KiB
     # (Beam-1.0) is in flight at once. Prefill RoPE, H200: each block loaded where it is normalised,
     # 86.5% of copy bandwidth; one block ahead, 84-87%; all up front, 91-92% (4 warps).
-    qa1, qa2 = _load_heads(q_src, stride_qh, H, half, QB, HALF_P)
-    if NQB > 1:
-        qb1, qb2 = _load_heads(q_src + QB * stride_qh, stride_qh, H - QB, half, QB, HALF_P)
-    if NQB > 2:
-        qc1, qc2 = _load_heads(q_src + 2 * QB * stride_qh, stride_qh, H - 2 * QB, half, QB, HALF_P)
-    if NQB > 3:
-        qd1, qd2 = _load_heads(q_src + 3 * QB * stride_qh, stride_qh, H - 3 * QB, half, QB, HALF_P)
+    q_blocks = ()
+    for b in tl.static_range(NQB):
+        q_blocks = q_blocks + (_load_heads(q_src + b * QB * stride_qh, stride_qh, H - b * QB, half, QB, HALF_P),)
     kx1, kx2 = _load_heads(k_ptr + t * stride_kt, stride_kh, KV, half, KVP, HALF_P)
     if WRITE_CACHE:
         hv = tl.arange(0, KVP)[:, None]
@@ -103,16 +98,9 @@ def _qk_norm_rope_kernel(
         mv = (hv < KV) & (dv < D)
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + dv, mask=mv, other=0.0)
 
-    _normalize_rotate(qa1, qa2, H, qw_ptr, cs_row, scale, q_dst, stride_qoh, half, factor, eps, QB, HALF_P, QMODE)
-    if NQB > 1:
-        _normalize_rotate(qb1, qb2, H - QB, qw_ptr, cs_row, scale, q_dst + QB * stride_qoh, stride_qoh, half, factor,
-                          eps, QB, HALF_P, QMODE)
-    if NQB > 2:
-        _normalize_rotate(qc1, qc2, H - 2 * QB, qw_ptr, cs_row, scale, q_dst + 2 * QB * stride_qoh, stride_qoh, half,
-                          factor, eps, QB, HALF_P, QMODE)
-    if NQB > 3:
-        _normalize_rotate(qd1, qd2, H - 3 * QB, qw_ptr, cs_row, scale, q_dst + 3 * QB * stride_qoh, stride_qoh, half,
-                          factor, eps, QB, HALF_P, QMODE)
+    for b in tl.static_range(NQB):
+        _normalize_rotate(q_blocks[b][0], q_blocks[b][1], H - b * QB, qw_ptr, cs_row, scale, q_dst + b * QB * stride_qoh,
+                          stride_qoh, half, factor, eps, QB, HALF_P, QMODE)
     k1, k2 = _normalize_rotate(kx1, kx2, KV, kw_ptr, cs_row, scale, ko_ptr + t * stride_kot, stride_koh, half, factor,
                                eps, KVP, HALF_P, KMODE)
 

@@ -171,7 +171,7 @@ _INTERPRETED_ROUTER = textwrap.dedent("""
 
 
 def test_q_head_blocks_cover_every_head_in_at_most_four_blocks():
-    """The Q/K kernel issues every Q block's loads up front and unrolls at most MAX_Q_BLOCKS of them."""
+    """The Q/K kernel holds every Q block of a token at once (all loads up front): at most MAX_Q_BLOCKS."""
     from beam_rl.kernels import qk_norm_rope_ops as Q
 
     for heads in range(1, 513):
