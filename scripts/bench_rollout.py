@@ -424,8 +424,9 @@ def summarize(results: dict[str, dict], args) -> dict:
         summary["compiled_equals_eager_logprobs"] = c["logprobs"] == e["logprobs"]
     if e:
         summary["eager_build_mode"] = e["mode"]
-    base = e or f
-    print(f"\n| build | decode ms/step (batch 1) | x vs {'eager' if e else 'fused'} | 8x{args.prefill_len} prefill ms | x |")
+    base_name = next((name for name in ("eager", "fused", *results) if name in results), None)
+    base = results.get(base_name)
+    print(f"\n| build | decode ms/step (batch 1) | x vs {base_name} | 8x{args.prefill_len} prefill ms | x |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['decode_ms']:.3f} | {base['decode_ms'] / r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | "
@@ -434,12 +435,12 @@ def summarize(results: dict[str, dict], args) -> dict:
         print(f"fused vs compiled: decode {c['decode_ms'] / f['decode_ms']:.2f}x, prefill {c['prefill_ms'] / f['prefill_ms']:.2f}x")
     if args.rounds > 1 and f:  # the same ratios within each round: their spread is the run-to-run noise
         for phase in ("decode", "prefill"):
-            for base_name, b in (("eager", e), ("compiled", c)):
+            for ref_name, b in (("eager", e), ("compiled", c)):
                 if b is None:
                     continue
                 ratios = [x / y for x, y in zip(b[f"{phase}_ms_by_round"], f[f"{phase}_ms_by_round"])]
-                summary[f"{phase}_x_{base_name}_by_round"] = ratios
-                print(f"fused {phase} x {base_name} by round: " + ", ".join(f"{r:.2f}" for r in ratios))
+                summary[f"{phase}_x_{ref_name}_by_round"] = ratios
+                print(f"fused {phase} x {ref_name} by round: " + ", ".join(f"{r:.2f}" for r in ratios))
     if args.rounds > 1:
         summary["same_outputs_every_round"] = all(r["same_outputs_every_round"] for r in results.values())
     if results and all("decode_step_ms_median" in r for r in results.values()):
