@@ -176,6 +176,33 @@ ROUTERS = [  # hidden, experts, n_group, topk_group, top_k
 ]
 
 
+def every_bf16(rows=64):
+    """All 65536 bf16 bit patterns (NaNs, infinities, zeros and subnormals included) as [rows, 65536 / rows]."""
+    bits = torch.arange(-32768, 32768, dtype=torch.int32, device=DEV).to(torch.int16)
+    return bits.view(BF16).reshape(rows, -1)
+
+
+def test_silu_and_mul_every_bf16_gate():
+    """silu(g) depends on g alone, so an exact FP32 silu for each of the 65536 gates makes every product exact;
+    up = 1 + 2^-7 and a random up expose the FP32 quotient's low bits through the product's rounding."""
+    gate = every_bf16()
+    for up in (torch.full_like(gate, 1.0078125), torch.randn(gate.shape, device=DEV).to(BF16)):
+        out = poisoned(gate.shape)
+        swiglu_ops.silu_and_mul_triton(gate, up, out=out)
+        assert_bits(out, numerics.silu_and_mul(gate, up), "silu_and_mul, every bf16 gate")
+
+
+def test_output_gate_every_bf16_gate():
+    """sigmoid(round(gate + bias)) for each of the 65536 bf16 values (bias 0), times attn = 1 (the rounded
+    sigmoid itself) and times a random attn."""
+    gate = every_bf16().reshape(64, 8, 128)
+    bias = torch.zeros(8, device=DEV, dtype=BF16)
+    for attn in (torch.ones_like(gate), torch.randn(gate.shape, device=DEV).to(BF16)):
+        out = poisoned(gate.shape)
+        gate_ops.output_gate_triton(attn, gate, bias, out=out)
+        assert_bits(out, numerics.output_gate(attn, gate, bias), "output gate, every bf16 gate")
+
+
 def _router_inputs(tokens, hidden, experts):
     x = torch.randn(tokens, hidden, device=DEV).to(BF16)
     w = torch.randn(experts, hidden, device=DEV) / hidden**0.5
