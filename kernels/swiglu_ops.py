@@ -4,18 +4,22 @@ import torch
 
 from beam_rl import numerics
 
-from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
+from ._triton_compat import LAUNCH_OPTS, tl, triton, use_triton
+from .exact_math import silu_fp32
 
 
 @triton.jit
-def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, F, s_gt, s_ut, s_ot, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, F, blocks_per_row, s_gt, s_ut, s_ot, BLOCK: tl.constexpr):
+    # consecutive programs walk along a row, so the grid streams through memory in address order (a
+    # row-major 2-D grid would start each row's next block only after every row's previous one)
+    pid = tl.program_id(0)
+    t = (pid // blocks_per_row).to(tl.int64)
+    f = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     m = f < F
     g = tl.load(g_ptr + t * s_gt + f, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + t * s_ut + f, mask=m, other=0.0).to(tl.float32)
-    s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))  # ATen's silu: x / (1 + expf(-x))
-    tl.store(o_ptr + t * s_ot + f, (s * u).to(o_ptr.dtype.element_ty), mask=m)
+    # ATen's silu, x / (1 + expf(-x)), bit for bit (BF16 inputs only: the exactness proof covers BF16 gates)
+    tl.store(o_ptr + t * s_ot + f, (silu_fp32(g) * u).to(o_ptr.dtype.element_ty), mask=m)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -27,10 +31,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, out=None, launch=None) -> torch.Tensor:
-    """Compute SiLU and multiplication in FP32, rounding only the product (bit-exact to the reference).
+    """Compute SiLU and multiplication in FP32, rounding only the product (bit-exact to the reference); BF16.
 
     `up=None` takes a packed gate_up [..., 2F] (gate first), as one GEMM of [gate; up] produces it.
     `launch=(block, warps)` overrides the default (the benchmark tunes it)."""
+    assert gate.dtype == torch.bfloat16, f"BF16 gate/up expected, got {gate.dtype}"
     if up is None:
         assert gate.shape[-1] % 2 == 0, "packed gate_up needs an even last dim"
         width = gate.shape[-1] // 2
@@ -48,19 +53,21 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, o
     if out.numel() == 0:
         return out
     o2 = out.view(-1, width)
-    # `bench_kernels.py --tune` (H200): 2048 x 4 warps at prefill; at decode sizes (latency-bound) 1024 x 8
-    # warps, and 512 x 8 up to 8 tokens (two elements a thread)
+    # H200 sweeps (2026-12-01): 2048 x 4 warps at prefill; at decode sizes (latency-bound) 1024 x 4 warps,
+    # and 512 x 8 up to 8 tokens (two elements a thread)
     rows = o2.shape[0]
-    block, warps = launch or ((2048, 4) if rows > 64 else (1024, 8) if rows > 8 else (512, 8))
+    block, warps = launch or ((2048, 4) if rows > 64 else (1024, 4) if rows > 8 else (512, 8))
     block = min(block, triton.next_power_of_2(width))
-    _silu_and_mul_kernel[(o2.shape[0], triton.cdiv(width, block))](
-        g2, u2, o2, width, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=warps, **LAUNCH_OPTS)
+    blocks_per_row = triton.cdiv(width, block)
+    _silu_and_mul_kernel[(rows * blocks_per_row,)](
+        g2, u2, o2, width, blocks_per_row, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=warps,
+        **LAUNCH_OPTS)
     return out
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatch: Triton on CUDA, `numerics.silu_and_mul` elsewhere; `up=None` means packed [..., 2F] gate_up."""
-    if use_triton(gate, up):
+    """Dispatch: Triton for BF16 on CUDA, `numerics.silu_and_mul` elsewhere; `up=None` means packed [..., 2F] gate_up."""
+    if use_triton(gate, up) and gate.dtype == torch.bfloat16:
         return silu_and_mul_triton(gate, up)
     if up is None:
         gate, up = gate.chunk(2, dim=-1)

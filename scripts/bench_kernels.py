@@ -344,8 +344,8 @@ def tune(copy_bw, names):
         if "output_gate" in names:
             attn = torch.randn(t, HEADS, HEAD_DIM, device=DEV).to(BF16)
             bias = torch.randn(HEADS, device=DEV).to(BF16)
-            _sweep("output_gate", t, ((1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 4), (4, 8), (8, 4), (16, 4), (32, 4),
-                                      (32, 8), (64, 8)),
+            _sweep("output_gate", t, ((256, 2), (256, 4), (512, 2), (512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 4),
+                                      (2048, 8), (4096, 8), (4096, 16)),
                    lambda launch: gate_ops.output_gate_triton(attn, g, bias, launch=launch),
                    numerics.output_gate(attn, g, bias), 3 * t * HEADS * HEAD_DIM * 2, copy_bw)
         if "silu_and_mul" in names:
