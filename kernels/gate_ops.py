@@ -38,10 +38,12 @@ def output_gate_triton(attn: torch.Tensor, gate: torch.Tensor, gate_bias: torch.
     attn, gate, out: BF16 [T, H, D], each token's [H, D] contiguous (rows may be strided, as a view of a
     packed projection is). `launch=(elements per program, warps)` overrides `gate_launch_shape`."""
     assert attn.dim() == 3 and gate.shape == attn.shape, f"attn/gate must be [T, H, D]; got {attn.shape}, {gate.shape}"
-    assert attn.dtype == gate.dtype == torch.bfloat16, f"BF16 attn/gate expected, got {attn.dtype}/{gate.dtype}"
+    assert attn.dtype == gate.dtype == torch.bfloat16, \
+        f"attn/gate: BF16 expected, got {attn.dtype}/{gate.dtype} (output_gate() takes other dtypes to the reference)"
     tokens, heads, head_dim = attn.shape
     for name, x in (("attn", attn), ("gate", gate)):
-        assert x.stride(2) == 1 and x.stride(1) == head_dim, f"{name}: each token's [H, D] must be contiguous"
+        assert x.stride(2) == 1 and x.stride(1) == head_dim, \
+            f"{name}: each token's [H, D] must be contiguous (strides {x.stride()}); pass {name}.contiguous()"
     assert gate_bias.shape == (heads,) and gate_bias.is_contiguous()
     if out is None:
         out = torch.empty((tokens, heads, head_dim), dtype=attn.dtype, device=attn.device)

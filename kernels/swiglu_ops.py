@@ -35,7 +35,8 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, o
 
     `up=None` takes a packed gate_up [..., 2F] (gate first), as one GEMM of [gate; up] produces it.
     `launch=(block, warps)` overrides the default (the benchmark tunes it)."""
-    assert gate.dtype == torch.bfloat16, f"BF16 gate/up expected, got {gate.dtype}"
+    assert gate.dtype == torch.bfloat16, \
+        f"gate/up: BF16 expected, got {gate.dtype} (silu_and_mul() takes other dtypes to the reference)"
     if up is None:
         assert gate.shape[-1] % 2 == 0, "packed gate_up needs an even last dim"
         width = gate.shape[-1] // 2
