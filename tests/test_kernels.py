@@ -55,6 +55,24 @@ def test_qk_gate_swiglu_dispatch():
     assert torch.equal(K.silu_and_mul(gu[:, :48], gu[:, 48:]), numerics.silu_and_mul(gu[:, :48], gu[:, 48:]))
 
 
+def test_gate_and_swiglu_reject_inputs_outside_their_contract():
+    """The Triton wrappers check their inputs before launching (so on any device): a strided head layout or a
+    non-BF16 dtype fails with the field and the fix named, instead of a wrong result."""
+    from beam_rl.kernels import gate_ops, swiglu_ops
+
+    packed = _bf16(5, 2 * 6 * 32)  # heads interleaved with another tensor's: stride(1) = 64, not head_dim
+    attn = packed.view(5, 6, 64)[..., :32]
+    with pytest.raises(AssertionError, match=r"attn: each token's \[H, D\] must be contiguous.*attn.contiguous\(\)"):
+        gate_ops.output_gate_triton(attn, attn.contiguous(), _bf16(6))
+    with pytest.raises(AssertionError, match=r"attn/gate: BF16 expected.*output_gate\(\)"):
+        gate_ops.output_gate_triton(_bf16(5, 6, 32).half(), _bf16(5, 6, 32).half(), _bf16(6))
+    with pytest.raises(AssertionError, match=r"gate/up: BF16 expected.*silu_and_mul\(\)"):
+        swiglu_ops.silu_and_mul_triton(_bf16(4, 96).float())
+    # the dispatchers take those dtypes to the reference instead
+    g32 = torch.randn(4, 96)
+    assert torch.equal(K.silu_and_mul(g32), numerics.silu_and_mul(g32[:, :48], g32[:, 48:]))
+
+
 @pytest.mark.parametrize("hidden,experts,n_group,topk_group,top_k", [(128, 16, 4, 2, 4), (256, 64, 8, 4, 8)])
 def test_router_dispatch(hidden, experts, n_group, topk_group, top_k):
     x, w, b = _bf16(7, hidden), torch.randn(experts, hidden), 0.1 * torch.randn(experts)
