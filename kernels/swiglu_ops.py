@@ -8,13 +8,17 @@ from ._triton_compat import LAUNCH_OPTS, tl, triton, use_triton
 from .exact_math import silu_fp32
 
 
+# CUDA's limit on a grid's second dimension: more rows than this are launched in chunks
+MAX_GRID_ROWS = 65535
+
+
 @triton.jit
-def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, F, blocks_per_row, s_gt, s_ut, s_ot, BLOCK: tl.constexpr):
-    # consecutive programs walk along a row, so the grid streams through memory in address order (a
-    # row-major 2-D grid would start each row's next block only after every row's previous one)
-    pid = tl.program_id(0)
-    t = (pid // blocks_per_row).to(tl.int64)
-    f = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, F, s_gt, s_ut, s_ot, BLOCK: tl.constexpr):
+    # grid (feature blocks, rows): consecutive programs walk along a row, so the grid streams through memory
+    # in address order (prefill, H200: 467 us against 483 with rows first) without dividing the program id
+    # (a 1-D grid's pid // blocks_per_row cost 5-9% at decode sizes, 1-3% with a compile-time divisor)
+    t = tl.program_id(1).to(tl.int64)
+    f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = f < F
     g = tl.load(g_ptr + t * s_gt + f, mask=m, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + t * s_ut + f, mask=m, other=0.0).to(tl.float32)
@@ -54,15 +58,16 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, o
     if out.numel() == 0:
         return out
     o2 = out.view(-1, width)
-    # H200 sweeps (2026-12-01): 2048 x 4 warps at prefill; at decode sizes (latency-bound) 1024 x 4 warps,
-    # and 512 x 8 up to 8 tokens (two elements a thread)
+    # H200 sweeps and races (2026-12-01): 2048 x 4 warps at prefill; at decode sizes (latency-bound) 1024 x 4
+    # warps, and 512 x 4 up to 8 tokens
     rows = o2.shape[0]
-    block, warps = launch or ((2048, 4) if rows > 64 else (1024, 4) if rows > 8 else (512, 8))
+    block, warps = launch or ((2048, 4) if rows > 64 else (1024, 4) if rows > 8 else (512, 4))
     block = min(block, triton.next_power_of_2(width))
     blocks_per_row = triton.cdiv(width, block)
-    _silu_and_mul_kernel[(rows * blocks_per_row,)](
-        g2, u2, o2, width, blocks_per_row, g2.stride(0), u2.stride(0), o2.stride(0), BLOCK=block, num_warps=warps,
-        **LAUNCH_OPTS)
+    for r0 in range(0, rows, MAX_GRID_ROWS):
+        g, u, o = g2[r0 : r0 + MAX_GRID_ROWS], u2[r0 : r0 + MAX_GRID_ROWS], o2[r0 : r0 + MAX_GRID_ROWS]
+        _silu_and_mul_kernel[(blocks_per_row, o.shape[0])](
+            g, u, o, width, g.stride(0), u.stride(0), o.stride(0), BLOCK=block, num_warps=warps, **LAUNCH_OPTS)
     return out
 
 

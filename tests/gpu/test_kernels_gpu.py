@@ -155,7 +155,9 @@ def test_output_gate(tokens, heads, d):
     assert_bits(out, numerics.output_gate(attn, g, bias), "output gate")
 
 
-@pytest.mark.parametrize("tokens,f", [(1, 20480), (7, 2560), (333, 4096), ((8, 2048), 2560), (5, 256), (3, 100)])
+# 65537 rows: more than one launch (swiglu_ops.MAX_GRID_ROWS)
+@pytest.mark.parametrize("tokens,f", [(1, 20480), (7, 2560), (333, 4096), ((8, 2048), 2560), (5, 256), (3, 100),
+                                      (65537, 48)])
 @pytest.mark.parametrize("packed", [True, False])
 def test_silu_and_mul(tokens, f, packed):
     gu = (3 * torch.randn(_shape(tokens, 2 * f), device=DEV)).to(BF16)
