@@ -44,10 +44,11 @@ def _logprobs(logits, ids):
     return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
-def _fp32_attention(q, k, v, q_positions, k_positions, sliding_window):
-    """numerics.attention accumulated in FP32 instead of FP64 (a last-bit perturbation)."""
+def _fp32_attention(q, k, v, q_positions, k_positions, sliding_window, probs="exact"):
+    """numerics.attention accumulated in FP32 instead of FP64 (a last-bit perturbation); exact probabilities only."""
     from beam_rl import numerics
 
+    assert probs == "exact", f"the FP32 perturbation is of the exact definition, not probs={probs!r}"
     scores = numerics.attention_scores(q, k, q_positions, k_positions, sliding_window, dtype=torch.float32)
     return numerics.attention_values(torch.softmax(scores, dim=-1), v)
 
