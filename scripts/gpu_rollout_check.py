@@ -8,7 +8,9 @@
 3. Checks: the two capture paths return identical ids; the reference model replaying the
    captured routing reproduces vLLM's token log-probs (mean / max |delta| reported) and its greedy
    choices wherever the reference's top-2 margin exceeds 0.05; reports how many greedy tokens
-   the free-running reference shares with vLLM and the router disagreement without replay.
+   the free-running reference shares with vLLM (over its first `--free-running-tokens` tokens: the
+   reference's token-by-token generation is the slow part of this check) and the router
+   disagreement without replay.
 4. In-place reload A -> B -> A (`beam_reload_weights`: every tensor's checksum as received must
    equal the file's, and every parameter, FusedMoE experts included, must have received data):
    back on A every parameter and buffer is bit-identical to the fresh load.
@@ -66,9 +68,14 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/beam-gpu")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--free-running-tokens", type=int, default=None,
+                    help="tokens the free-running reference generates per prompt (default: --max-tokens)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor_parallel_size (GPUs)")
     args = ap.parse_args()
+    free_tokens = args.max_tokens if args.free_running_tokens is None else args.free_running_tokens
+    if not 0 < free_tokens <= args.max_tokens:
+        raise SystemExit(f"--free-running-tokens {free_tokens}: must be in 1..--max-tokens ({args.max_tokens})")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process does torch work
     ckpt = os.path.join(args.out, args.preset)
     if not os.path.exists(os.path.join(ckpt, "config.json")):
@@ -106,10 +113,11 @@ def main() -> int:
 
     ref = load_checkpoint(ckpt, device="cuda")
     report = {"capture_paths_identical": bool(same_capture), "reload_a_b_a_identical": reload_ok,
-              "tensor_parallel": args.tensor_parallel, "sequences": []}
+              "tensor_parallel": args.tensor_parallel, "free_running_tokens": free_tokens}
+    t_ref = time.time()
     diffs, agree, considered, shared, dis = [], 0, 0, [], []
     with torch.no_grad():
-        for p, o, routed in zip(prompts, outs, native):
+        for i, (p, o, routed) in enumerate(zip(prompts, outs, native)):
             g = list(o.outputs[0].token_ids)
             seq = torch.tensor([p + g[:-1]], device="cuda")
             r = torch.from_numpy(moe_layers(routed, config).astype(np.int64)).cuda()[None]
@@ -124,8 +132,10 @@ def main() -> int:
             considered += int(clear.sum())
             free = ref(seq)
             dis.append((free.routed_experts[0].sort(-1).values != r[0].sort(-1).values).any(-1).float().mean().item())
-            own = ref.greedy_generate(torch.tensor([p], device="cuda"), len(g))[0].tolist()
-            shared.append(next((i for i, (a, b) in enumerate(zip(own, g)) if a != b), len(g)))
+            own = ref.greedy_generate(torch.tensor([p], device="cuda"), free_tokens)[0].tolist()
+            shared.append(next((j for j, (a, b) in enumerate(zip(own, g)) if a != b), free_tokens))
+            print(f"reference parity: prompt {i + 1}/{len(prompts)} done at {time.time() - t_ref:.0f} s "
+                  f"(mean |delta| so far {float(torch.cat(diffs).mean()):.4f})", flush=True)
     d = torch.cat(diffs)
     report.update(
         mean_abs_logprob_diff_replay=float(d.mean()), max_abs_logprob_diff_replay=float(d.max()),
