@@ -389,11 +389,15 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
             _dump(args.out, rows)
+    # the allocator's setting is part of the result: the Q/K prefill rows run in a slow mode with some
+    # allocations (docs/benchmarks.md, "The Q/K slow mode"), rarely with expandable segments
     meta = dict(device=torch.cuda.get_device_name(), copy_bandwidth_TBps=copy_bw / 1e12, torch=torch.__version__,
-                triton=triton.__version__, command=" ".join(["python"] + sys.argv))
-    for row in rows:  # a flat list of rows, each carrying the run's device, bandwidth and command
+                triton=triton.__version__, command=" ".join(["python"] + sys.argv),
+                cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"))
+    for row in rows:  # a flat list of rows, each carrying the run's device, bandwidth, allocator and command
         row.update(device=meta["device"], copy_bandwidth_TBps=round(meta["copy_bandwidth_TBps"], 3),
-                   torch=meta["torch"], triton=meta["triton"], command=meta["command"])
+                   torch=meta["torch"], triton=meta["triton"], command=meta["command"],
+                   cuda_alloc_conf=meta["cuda_alloc_conf"])
     _dump(args.out, rows)
     print(json.dumps(meta))
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; decode rows timed as CUDA-graph replays, prefill with do_bench")
