@@ -11,7 +11,8 @@ emptied after every second). The summary line counts the timings above 130 us; t
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python scripts/diag_qk_slow_mode.py
     done | grep SUMMARY
 
-and got 0, 22 and 16 of 24 slow with the default allocator, 0, 0 and 3 with expandable segments.
+and got 0, 22 and 16 of 24 slow with the default allocator, 0, 0 and 3 with expandable segments
+(the same loop is the campaign stage `bash scripts/h200_campaign.sh qk_slow_mode`).
 """
 import os
 
