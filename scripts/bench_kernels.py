@@ -394,10 +394,8 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), copy_bandwidth_TBps=copy_bw / 1e12, torch=torch.__version__,
                 triton=triton.__version__, command=" ".join(["python"] + sys.argv),
                 cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"))
-    for row in rows:  # a flat list of rows, each carrying the run's device, bandwidth, allocator and command
-        row.update(device=meta["device"], copy_bandwidth_TBps=round(meta["copy_bandwidth_TBps"], 3),
-                   torch=meta["torch"], triton=meta["triton"], command=meta["command"],
-                   cuda_alloc_conf=meta["cuda_alloc_conf"])
+    for row in rows:  # a flat list of rows, each carrying every meta key (the run's device, bandwidth, ...)
+        row.update(meta, copy_bandwidth_TBps=round(meta["copy_bandwidth_TBps"], 3))
     _dump(args.out, rows)
     print(json.dumps(meta))
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; decode rows timed as CUDA-graph replays, prefill with do_bench")
