@@ -1,7 +1,8 @@
 """Benchmark Beam's Triton kernels on a CUDA GPU against the PyTorch references (eager and torch.compile).
 
 For each kernel at decode sizes (1, 8, 64 tokens) and prefill (8 x 2048 tokens): median time
-(triton.testing.do_bench; decode sizes also as CUDA-graph replays, 10 calls per graph, per call),
+(each call timed alone after an L2 flush, as triton.testing.do_bench does, but by default with a flush that
+leaves the L2 clean: `--flush`; decode sizes also as CUDA-graph replays, 10 calls per graph, per call),
 achieved bytes/s against the device-to-device copy bandwidth measured in this run, speedups over the
 eager reference and over torch.compile of it, and whether each output is bit-identical to the eager
 reference. The FP32 router is timed at 1-64 tokens in CUDA graphs against two baselines: its reference
@@ -24,7 +25,6 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
 from beam_rl import numerics, routing
 from beam_rl.kernels import boundary_ops, gate_ops, qk_norm_rope_ops, router_ops, swiglu_ops
@@ -38,8 +38,50 @@ PREFILL = 8 * 2048
 GRAPH_CALLS = 10
 
 
-def bench(fn, rep=40):
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3  # us
+# How the L2 is emptied before each timed call (`--flush`). triton's do_bench zeroes a 256 MB buffer: that leaves
+# the 50 MB L2 full of dirty lines, whose write-back then lands inside the timed kernel. The Q/K prefill kernel
+# (454 MB moved) took 142-250 us after such a flush against 116.4-116.9 us after reading the same buffer, in all
+# 32 passes of 4 processes on the H200 (docs/benchmarks.md, ninth session), and that was its "slow mode".
+# `read` sums the buffer instead: the same lines are evicted and the L2 is left clean.
+FLUSH_MODES = ("read", "zero")
+flush_mode = "read"
+_flush_buffer = None
+
+
+def flush_l2():
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.empty(256 * 1024**2 // 4, dtype=torch.int32, device=DEV)
+    if flush_mode == "zero":
+        _flush_buffer.zero_()
+    else:
+        _flush_buffer.sum()
+
+
+def bench(fn, rep=40, warmup=10):
+    """Median us of fn, each call timed alone (CUDA events) after `flush_l2()`: triton's do_bench loop (runtime
+    estimate, `warmup` ms of calls, then `rep` ms of timed calls) with the flush of `flush_mode`."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush_l2()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = start.elapsed_time(end) / 5
+    for _ in range(max(1, int(warmup / estimate_ms))):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(max(1, int(rep / estimate_ms)))]
+    for a, b in events:
+        flush_l2()
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events) * 1e3
 
 
 def graph_bench(fn):
@@ -256,7 +298,7 @@ def run_case(kernel, size, tokens, make, copy_bw, decode, rounds=1):
         row.update(timing="cuda_graph", time_us=g_ours, eager_us=g_eager, compile_us=g_comp)
     else:
         g_rounds = s_rounds
-        row.update(timing="do_bench", time_us=s_ours, eager_us=s_eager, compile_us=s_comp)
+        row.update(timing="events", time_us=s_ours, eager_us=s_eager, compile_us=s_comp)
     if rounds > 1:
         row.update(rounds=rounds, time_us_by_round=g_rounds[0], eager_us_by_round=g_rounds[1],
                    compile_us_by_round=g_rounds[2])
@@ -366,11 +408,16 @@ def main():
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated kernel names")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.json"))
+    ap.add_argument("--flush", choices=FLUSH_MODES, default="read",
+                    help="empty the L2 before each timed call by reading a 256 MB buffer (default: leaves it clean) or "
+                         "by zeroing it as triton's do_bench does (leaves it dirty; the earlier sessions' rows)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time ours / eager / compile in turn this many times and report medians (per-round times in the JSON)")
     args = ap.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
+    global flush_mode
+    flush_mode = args.flush
     torch._dynamo.config.cache_size_limit = 256
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -389,16 +436,17 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
             _dump(args.out, rows)
-    # the allocator's setting is part of the result: the Q/K prefill rows run in a slow mode with some
-    # allocations (docs/benchmarks.md, "The Q/K slow mode"), rarely with expandable segments
+    # the allocator's setting and the flush are part of the result: after do_bench's zeroing flush the Q/K
+    # prefill rows ran slow in some processes (docs/benchmarks.md, "The Q/K slow mode")
     meta = dict(device=torch.cuda.get_device_name(), copy_bandwidth_TBps=copy_bw / 1e12, torch=torch.__version__,
                 triton=triton.__version__, command=" ".join(["python"] + sys.argv),
-                cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"))
+                cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"), l2_flush=flush_mode)
     for row in rows:  # a flat list of rows, each carrying every meta key (the run's device, bandwidth, ...)
         row.update(meta, copy_bandwidth_TBps=round(meta["copy_bandwidth_TBps"], 3))
     _dump(args.out, rows)
     print(json.dumps(meta))
-    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; decode rows timed as CUDA-graph replays, prefill with do_bench")
+    print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; decode rows timed as CUDA-graph replays, prefill as single "
+          f"calls; L2 flush: {flush_mode}")
     hdr = f"{'kernel':18} {'size':>7} {'ours us':>9} {'eager us':>9} {'comp us':>9} {'x eager':>8} {'x comp':>7} " \
           f"{'BW frac':>7} {'exact':>5} {'comp exact':>10} {'comp32 us':>9} {'x comp32':>8} (router: cuBLAS FP32 + top-k)"
     print(hdr)
