@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -148,6 +149,26 @@ def parse_engine_args(items: list[str]) -> dict:
         except json.JSONDecodeError:
             parsed[key] = value
     return parsed
+
+
+def parse_builds(spec: str) -> dict[str, tuple[str, dict[str, str]]]:
+    """'fused,eager,fused:K=V+K2=V2' -> {entry: (build, extra env)}, in order; each BUILD must be in BUILDS
+    and each entry unique (it names the build's results)."""
+    builds: dict[str, tuple[str, dict[str, str]]] = {}
+    for entry in spec.split(","):
+        build, _, env_spec = entry.partition(":")
+        if build not in BUILDS:
+            raise SystemExit(f"--builds {entry!r}: unknown build {build!r}; choose from {sorted(BUILDS)}")
+        if entry in builds:
+            raise SystemExit(f"--builds: {entry!r} is listed twice")
+        env = {}
+        for item in env_spec.split("+") if env_spec else []:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise SystemExit(f"--builds {entry!r}: expected BUILD:KEY=VALUE[+KEY=VALUE], got {item!r}")
+            env[key] = value
+        builds[entry] = (build, env)
+    return builds
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -339,7 +360,10 @@ def main() -> int:
                          "rounds (processes of one configuration differ by up to ~25%% in host speed)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--log-dir", default=None, help="keep each build's full stdout/stderr here")
-    ap.add_argument("--builds", default=",".join(MAIN_BUILDS), help="comma-separated subset of " + ",".join(BUILDS))
+    ap.add_argument("--builds", default=",".join(MAIN_BUILDS),
+                    help="comma-separated subset of " + ",".join(BUILDS) + "; BUILD:KEY=VALUE[+KEY=VALUE] runs a build "
+                         "with extra environment as its own entry, so an A/B of a setting shares the rounds (e.g. "
+                         "fused,eager,fused:VLLM_ENABLE_V1_MULTIPROCESSING=1,eager:VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="set in every build's process, after the build's own settings (e.g. VLLM_USE_V2_MODEL_RUNNER=1, "
                          "or VLLM_ENABLE_V1_MULTIPROCESSING=1 for vLLM's separate engine-core process: no GPU-time pass then)")
@@ -367,20 +391,19 @@ def main() -> int:
         parse_cpus(args.cpus)  # fail here, not in every build
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: must be >= 1")
-    builds = args.builds.split(",")
-    unknown = sorted(set(builds) - set(BUILDS))
-    if unknown:
-        raise SystemExit(f"--builds: unknown {unknown}; choose from {sorted(BUILDS)}")
+    builds = parse_builds(args.builds)
     runs: dict[str, list[dict]] = {name: [] for name in builds}
     failed: list[str] = []
     for rnd in range(args.rounds):  # round-robin: a drift of the host's speed reaches every build alike
-        for name in builds:
+        for name, (build, build_env) in builds.items():
             if name in failed:
                 continue
-            r = run_build_process(name, args, extra_env, engine_args_json, f"{name}.round{rnd}" if args.rounds > 1 else name)
+            log_name = re.sub(r"[^A-Za-z0-9_.-]", "_", name) + (f".round{rnd}" if args.rounds > 1 else "")
+            r = run_build_process(build, args, {**extra_env, **build_env}, engine_args_json, log_name)
             if r is None:
                 failed.append(name)
                 continue
+            r["build_env"] = build_env
             runs[name].append(r)
             label = f"[{name}]" + (f" round {rnd}" if args.rounds > 1 else "")
             if "decode_step_ms_median" in r:
