@@ -101,8 +101,9 @@ def graph_bench(fn):
 
 def timed_alternately(fns, timer, rounds):
     """Median per function of `rounds` timings taken in turn (ours, eager, compile, ours, ...), so a drift of
-    the machine reaches every function alike (the Q/K kernels' prefill times are bimodal on the lent H200:
-    ~120 or ~210-240 us within one process); also the per-round lists. rounds=1 times each once."""
+    the machine reaches every function alike (after do_bench's zeroing flush the Q/K kernels' prefill times
+    were bimodal on the lent H200, ~120 or ~210-240 us within one process); also the per-round lists.
+    rounds=1 times each once."""
     times = [[] for _ in fns]
     for _ in range(rounds):
         for ts, fn in zip(times, fns):

@@ -161,12 +161,8 @@ def parse_builds(spec: str) -> dict[str, tuple[str, dict[str, str]]]:
             raise SystemExit(f"--builds {entry!r}: unknown build {build!r}; choose from {sorted(BUILDS)}")
         if entry in builds:
             raise SystemExit(f"--builds: {entry!r} is listed twice")
-        env = {}
-        for item in env_spec.split("+") if env_spec else []:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise SystemExit(f"--builds {entry!r}: expected BUILD:KEY=VALUE[+KEY=VALUE], got {item!r}")
-            env[key] = value
+        env = parse_env(env_spec.split("+") if env_spec else [], where=f"--builds {entry!r}, item",
+                        form="BUILD:KEY=VALUE[+KEY=VALUE]")
         builds[entry] = (build, env)
     return builds
 
@@ -285,13 +281,14 @@ def step_trace(fn, steps: int) -> dict:
     return out
 
 
-def parse_env(items: list[str]) -> dict[str, str]:
-    """['KEY=VALUE', ...] (`--env`) -> {KEY: VALUE}."""
+def parse_env(items: list[str], where: str = "--env", form: str = "KEY=VALUE") -> dict[str, str]:
+    """['KEY=VALUE', ...] (`--env`, and the environment of a `--builds` entry) -> {KEY: VALUE}; an error
+    names `where` and the expected `form`."""
     parsed = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--env {item!r}: expected KEY=VALUE")
+            raise SystemExit(f"{where} {item!r}: expected {form}")
         parsed[key] = value
     return parsed
 
