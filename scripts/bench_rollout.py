@@ -14,7 +14,9 @@ own process, with vLLM's engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0
 runs the builds round-robin N times in fresh processes and reports medians over rounds plus each
 round's ratios (processes of one configuration differed by up to 28% on the H200). One more
 profiled pass per build measures GPU time (kernels and copies) and kernels per step: at beam-mini
-size a decode step's wall time is mostly vLLM's host work, which no kernel changes. Also reports whether fused and eager builds produce identical greedy tokens and
+size a decode step's wall time is mostly vLLM's host work, which no kernel changes; so every process
+also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch) and records the CPU
+model, telling a slow host from a slow build. Also reports whether fused and eager builds produce identical greedy tokens and
 log-probs (they share the numerics contract; compiled PyTorch may re-round).
 """
 
@@ -120,9 +122,57 @@ def run_build(args) -> dict:
         trace["host_profile"] = host_profile(lambda: timed([prompt], 1 + n), n)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
-    return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, decode_ms=statistics.median(decode),
+    return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, **host_speed(),
+                decode_ms=statistics.median(decode),
                 decode_ms_all=decode, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+
+
+def host_speed(repeats: int = 7) -> dict:
+    """How fast this process's host runs the kind of work a host-bound decode step is made of, measured
+    after the timed runs on the same pinned CPUs (no engine work in flight): `python_probe_ms`, median
+    ms of a fixed CPython workload (small objects, dicts, attribute access, calls, like vLLM's scheduler
+    and input preparation), and `torch_probe_us`, median host us of one CPU-tensor slice + view + empty
+    (PyTorch's dispatcher, like the `aten::slice`/`copy_` calls of a step). Same work every process, so
+    a ratio between processes or machines is a ratio of host speed; also the CPU model and its MHz."""
+    import torch
+
+    class Item:
+        __slots__ = ("key", "size")
+
+        def __init__(self, key, size):
+            self.key, self.size = key, size
+
+    def python_work():
+        table = {}
+        for i in range(20000):
+            table[f"req-{i % 4096}"] = Item(i, i % 97)
+        return sum(item.size for item in table.values() if item.key % 3)
+
+    x = torch.zeros(64, 64)
+
+    def torch_work(n=2000):
+        for _ in range(n):
+            x[1:9].view(-1)
+            torch.empty(8)
+
+    python_ms, torch_us = [], []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        python_work()
+        python_ms.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        torch_work()
+        torch_us.append((time.perf_counter() - t) * 1e6 / 2000)
+    cpu = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            info = fh.read()
+        model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+        mhz = [float(m) for m in re.findall(r"^cpu MHz\s*:\s*([0-9.]+)$", info, re.M)]
+        cpu = dict(cpu_model=model.group(1).strip() if model else None,
+                   cpu_mhz_mean=statistics.fmean(mhz) if mhz else None)
+    return dict(python_probe_ms=statistics.median(python_ms), torch_probe_us=statistics.median(torch_us), **cpu)
 
 
 def kv_cache_groups(llm) -> int | None:
@@ -325,7 +375,7 @@ def run_build_process(name: str, args, extra_env: dict[str, str], engine_args_js
 
 
 ROUND_MEDIANS = ("decode_ms", "prefill_ms", "decode_step_ms_median", "decode_step_ms_p10", "decode_step_ms_p90",
-                 "decode_gpu_ms", "prefill_gpu_ms")
+                 "decode_gpu_ms", "prefill_gpu_ms", "python_probe_ms", "torch_probe_us")
 
 
 def merge_rounds(runs: list[dict]) -> dict:
@@ -407,7 +457,8 @@ def main() -> int:
                 print(f"{label} engine steps: median {r['decode_step_ms_median']:.3f} ms (p10 {r['decode_step_ms_p10']:.3f}, "
                       f"p90 {r['decode_step_ms_p90']:.3f})", flush=True)
             print(f"{label} start {r['engine_start_s']:.0f} s, decode {r['decode_ms']:.3f} ms/step, "
-                  f"prefill {r['prefill_ms']:.1f} ms ({r['mode']})", flush=True)
+                  f"prefill {r['prefill_ms']:.1f} ms ({r['mode']}); host probes: python {r['python_probe_ms']:.2f} ms, "
+                  f"torch {r['torch_probe_us']:.2f} us ({r.get('cpu_model')}, {r.get('cpu_mhz_mean') or 0:.0f} MHz)", flush=True)
             if args.json:  # every finished process is on disk, should a later one run out of time
                 with open(args.json, "w") as fh:
                     json.dump({"partial": True, "runs": runs, "failed": failed, "env": args.env}, fh, indent=1)
@@ -467,6 +518,14 @@ def summarize(results: dict[str, dict], args) -> dict:
         summary.update({f"decode_step_ms_median_{name}": r["decode_step_ms_median"] for name, r in results.items()})
         print("engine step medians (ms): " + ", ".join(f"{name} {r['decode_step_ms_median']:.3f} "
                                                       f"(p10 {r['decode_step_ms_p10']:.3f})" for name, r in results.items()))
+    if results and all("python_probe_ms" in r for r in results.values()):  # the host's speed, process by process
+        for key in ("python_probe_ms", "torch_probe_us"):
+            summary.update({f"{key}_{name}": r.get(f"{key}_by_round", [r[key]]) for name, r in results.items()})
+        print("host probes by round (python ms / torch us): " + "; ".join(
+            f"{name} " + ", ".join(f"{p:.2f}/{t:.2f}" for p, t in zip(r.get("python_probe_ms_by_round", [r["python_probe_ms"]]),
+                                                                     r.get("torch_probe_us_by_round", [r["torch_probe_us"]])))
+            for name, r in results.items()))
+        summary["cpu_model"] = next(iter(results.values())).get("cpu_model")
     if f and results and all("decode_gpu_ms" in r for r in results.values()):
         for key in ("decode_gpu_ms", "prefill_gpu_ms"):
             summary.update({f"{key}_{name}": r[key] for name, r in results.items()})

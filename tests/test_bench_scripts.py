@@ -25,3 +25,21 @@ def test_builds_with_environment_are_entries_of_their_own():
 def test_bad_builds_name_the_entry_and_the_fix(spec, message):
     with pytest.raises(SystemExit, match=message):
         bench_rollout.parse_builds(spec)
+
+
+def test_rounds_keep_each_process_host_speed():
+    """A build's rounds are separate processes, possibly on hosts of different speed: the merged result
+    keeps every process's host probes next to its timings, so a slow round can be told from a slow build."""
+    def run(decode_ms, python_ms):
+        return dict(decode_ms=decode_ms, prefill_ms=30.0, python_probe_ms=python_ms, torch_probe_us=2.0,
+                    decode_ms_all=[decode_ms], prefill_ms_all=[30.0], tokens=[1, 2], logprobs=[-0.5, -0.25])
+
+    merged = bench_rollout.merge_rounds([run(1.5, 5.0), run(1.9, 6.5), run(1.6, 5.2)])
+    assert merged["decode_ms_by_round"] == [1.5, 1.9, 1.6]
+    assert merged["python_probe_ms_by_round"] == [5.0, 6.5, 5.2] and merged["python_probe_ms"] == 5.2
+    assert merged["same_outputs_every_round"]
+
+
+def test_host_speed_measures_this_process():
+    speed = bench_rollout.host_speed(repeats=2)
+    assert speed["python_probe_ms"] > 0 and speed["torch_probe_us"] > 0
