@@ -102,7 +102,11 @@ def run_build(args) -> dict:
 
     timed([prompt], 8)  # warm-up
     n = args.decode_tokens
-    decode = [(timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3 for _ in range(args.repeats)]
+    decode, decode_probe = [], []
+    for _ in range(args.repeats):  # the host's speed around each repeat: the host moves within seconds
+        before = python_probe_ms()
+        decode.append((timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3)
+        decode_probe.append((before + python_probe_ms()) / 2)
     with step_clock(llm) as steps_ms:  # the same decode, one engine step at a time
         timed([prompt], 1 + n)
     steady = sorted(steps_ms[2:-1])  # drop the prefill and the first decode step, and the final drain
@@ -124,45 +128,47 @@ def run_build(args) -> dict:
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
     return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, **host_speed(),
                 decode_ms=statistics.median(decode),
-                decode_ms_all=decode, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
+                decode_ms_all=decode, decode_probe_ms_all=decode_probe, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+
+
+class _ProbeItem:
+    __slots__ = ("key", "size")
+
+    def __init__(self, key, size):
+        self.key, self.size = key, size
+
+
+def python_probe_ms(repeats: int = 3) -> float:
+    """Median ms of a fixed CPython workload (20000 small objects into a dict, then summed: object
+    creation, attribute access, calls and hashing, like vLLM's scheduler and input preparation)."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        table = {}
+        for i in range(20000):
+            table[f"req-{i % 4096}"] = _ProbeItem(i, i % 97)
+        sum(item.size for item in table.values() if item.key % 3)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
 
 
 def host_speed(repeats: int = 7) -> dict:
     """How fast this process's host runs the kind of work a host-bound decode step is made of, measured
-    after the timed runs on the same pinned CPUs (no engine work in flight): `python_probe_ms`, median
-    ms of a fixed CPython workload (small objects, dicts, attribute access, calls, like vLLM's scheduler
-    and input preparation), and `torch_probe_us`, median host us of one CPU-tensor slice + view + empty
-    (PyTorch's dispatcher, like the `aten::slice`/`copy_` calls of a step). Same work every process, so
-    a ratio between processes or machines is a ratio of host speed; also the CPU model and its MHz."""
+    after the timed runs on the same pinned CPUs (no engine work in flight): `python_probe_ms`
+    (`python_probe_ms()`, median of `repeats`), and `torch_probe_us`, median host us of one CPU-tensor
+    slice + view + empty (PyTorch's dispatcher, like the `aten::slice`/`copy_` calls of a step). Same
+    work every process, so a ratio between processes or machines is a ratio of host speed; also the CPU
+    model and its MHz."""
     import torch
 
-    class Item:
-        __slots__ = ("key", "size")
-
-        def __init__(self, key, size):
-            self.key, self.size = key, size
-
-    def python_work():
-        table = {}
-        for i in range(20000):
-            table[f"req-{i % 4096}"] = Item(i, i % 97)
-        return sum(item.size for item in table.values() if item.key % 3)
-
     x = torch.zeros(64, 64)
-
-    def torch_work(n=2000):
-        for _ in range(n):
-            x[1:9].view(-1)
-            torch.empty(8)
-
-    python_ms, torch_us = [], []
+    torch_us = []
     for _ in range(repeats):
         t = time.perf_counter()
-        python_work()
-        python_ms.append((time.perf_counter() - t) * 1e3)
-        t = time.perf_counter()
-        torch_work()
+        for _ in range(2000):
+            x[1:9].view(-1)
+            torch.empty(8)
         torch_us.append((time.perf_counter() - t) * 1e6 / 2000)
     cpu = {}
     with contextlib.suppress(OSError):
@@ -172,7 +178,7 @@ def host_speed(repeats: int = 7) -> dict:
         mhz = [float(m) for m in re.findall(r"^cpu MHz\s*:\s*([0-9.]+)$", info, re.M)]
         cpu = dict(cpu_model=model.group(1).strip() if model else None,
                    cpu_mhz_mean=statistics.fmean(mhz) if mhz else None)
-    return dict(python_probe_ms=statistics.median(python_ms), torch_probe_us=statistics.median(torch_us), **cpu)
+    return dict(python_probe_ms=python_probe_ms(repeats), torch_probe_us=statistics.median(torch_us), **cpu)
 
 
 def kv_cache_groups(llm) -> int | None:
@@ -387,8 +393,9 @@ def merge_rounds(runs: list[dict]) -> dict:
         if all(key in r for r in runs):
             merged[key] = statistics.median(r[key] for r in runs)
             merged[f"{key}_by_round"] = [r[key] for r in runs]
-    for key in ("decode_ms_all", "prefill_ms_all"):
-        merged[key] = [x for r in runs for x in r[key]]
+    for key in ("decode_ms_all", "prefill_ms_all", "decode_probe_ms_all"):
+        if all(key in r for r in runs):
+            merged[key] = [x for r in runs for x in r[key]]
     merged["same_outputs_every_round"] = all(r["tokens"] == runs[0]["tokens"] and r["logprobs"] == runs[0]["logprobs"]
                                              for r in runs)
     return merged
@@ -476,6 +483,17 @@ def main() -> int:
     return 0
 
 
+def host_fit(probe_ms: list[float], decode_ms: list[float]) -> dict | None:
+    """Least-squares fit decode = intercept + slope x probe over a build's repeats (each repeat's decode
+    with the python probe taken around it), and their correlation; None with fewer than 3 repeats or a
+    constant probe. On a steady host the probe's spread is its own noise, and so is the fit."""
+    if len(probe_ms) != len(decode_ms) or len(probe_ms) < 3 or len(set(probe_ms)) < 2 or len(set(decode_ms)) < 2:
+        return None
+    line = statistics.linear_regression(probe_ms, decode_ms)
+    return dict(repeats=len(probe_ms), correlation=statistics.correlation(probe_ms, decode_ms),
+                intercept_ms=line.intercept, slope=line.slope)
+
+
 def summarize(results: dict[str, dict], args) -> dict:
     """Print the comparison tables of the builds that ran (fused against eager and/or compiled, whichever
     are there) and return the summary keys (`decode_ms_<build>`, ...; ratios only for builds present)."""
@@ -526,6 +544,12 @@ def summarize(results: dict[str, dict], args) -> dict:
                                                                      r.get("torch_probe_us_by_round", [r["torch_probe_us"]])))
             for name, r in results.items()))
         summary["cpu_model"] = next(iter(results.values())).get("cpu_model")
+    for name, r in results.items():  # within a build, how much of the decode's spread the host's speed explains
+        fit = host_fit(r.get("decode_probe_ms_all", []), r["decode_ms_all"])
+        if fit:
+            summary[f"decode_vs_host_probe_{name}"] = fit
+            print(f"{name}: decode ms vs python probe ms over {fit['repeats']} repeats: correlation {fit['correlation']:.2f}, "
+                  f"decode = {fit['intercept_ms']:.3f} + {fit['slope']:.4f} x probe", flush=True)
     if f and results and all("decode_gpu_ms" in r for r in results.values()):
         for key in ("decode_gpu_ms", "prefill_gpu_ms"):
             summary.update({f"{key}_{name}": r[key] for name, r in results.items()})

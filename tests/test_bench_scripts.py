@@ -43,3 +43,11 @@ def test_rounds_keep_each_process_host_speed():
 def test_host_speed_measures_this_process():
     speed = bench_rollout.host_speed(repeats=2)
     assert speed["python_probe_ms"] > 0 and speed["torch_probe_us"] > 0
+
+
+def test_host_fit_reads_decode_against_the_probe():
+    fit = bench_rollout.host_fit([6.0, 10.0, 14.0], [1.6, 1.8, 2.0])
+    assert fit["repeats"] == 3 and abs(fit["correlation"] - 1.0) < 1e-12
+    assert abs(fit["slope"] - 0.05) < 1e-12 and abs(fit["intercept_ms"] - 1.3) < 1e-12
+    assert bench_rollout.host_fit([6.0, 6.0, 6.0], [1.6, 1.8, 2.0]) is None  # a constant probe explains nothing
+    assert bench_rollout.host_fit([6.0, 7.0], [1.6, 1.8]) is None
