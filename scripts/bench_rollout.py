@@ -15,8 +15,9 @@ runs the builds round-robin N times in fresh processes and reports medians over 
 round's ratios (processes of one configuration differed by up to 28% on the H200). One more
 profiled pass per build measures GPU time (kernels and copies) and kernels per step: at beam-mini
 size a decode step's wall time is mostly vLLM's host work, which no kernel changes; so every process
-also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch) and records the CPU
-model, telling a slow host from a slow build. Also reports whether fused and eager builds produce identical greedy tokens and
+also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch), the first also
+around every decode repeat, records the CPU model and the hypervisor's steal time during each repeat,
+telling a slow host from a slow build. Also reports whether fused and eager builds produce identical greedy tokens and
 log-probs (they share the numerics contract; compiled PyTorch may re-round).
 """
 
@@ -102,11 +103,15 @@ def run_build(args) -> dict:
 
     timed([prompt], 8)  # warm-up
     n = args.decode_tokens
-    decode, decode_probe = [], []
+    decode, decode_probe, decode_steal = [], [], []
+    cpus = os.sched_getaffinity(0)
     for _ in range(args.repeats):  # the host's speed around each repeat: the host moves within seconds
-        before = python_probe_ms()
+        before, ticks = python_probe_ms(), cpu_jiffies(cpus)
         decode.append((timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3)
+        after = cpu_jiffies(cpus)
         decode_probe.append((before + python_probe_ms()) / 2)
+        if ticks and after and after[1] > ticks[1]:  # share of the pinned CPUs' time stolen during the repeat
+            decode_steal.append((after[0] - ticks[0]) / (after[1] - ticks[1]))
     with step_clock(llm) as steps_ms:  # the same decode, one engine step at a time
         timed([prompt], 1 + n)
     steady = sorted(steps_ms[2:-1])  # drop the prefill and the first decode step, and the final drain
@@ -128,7 +133,7 @@ def run_build(args) -> dict:
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
     return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, **host_speed(),
                 decode_ms=statistics.median(decode),
-                decode_ms_all=decode, decode_probe_ms_all=decode_probe, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
+                decode_ms_all=decode, decode_probe_ms_all=decode_probe, decode_steal_fraction_all=decode_steal, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
 
 
@@ -151,6 +156,25 @@ def python_probe_ms(repeats: int = 3) -> float:
         sum(item.size for item in table.values() if item.key % 3)
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def cpu_jiffies(cpus: set[int]) -> tuple[int, int] | None:
+    """(steal, total) clock ticks of these CPUs since boot, from /proc/stat; None where it is unreadable.
+    Steal is the time the hypervisor ran something else while this VM's vCPU wanted to run: on a lent
+    VM, the direct measure of a host slowed by its neighbours."""
+    try:
+        with open("/proc/stat") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    steal = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            ticks = [int(f) for f in fields[:8]]  # user nice system idle iowait irq softirq steal
+            steal += ticks[7]
+            total += sum(ticks)
+    return steal, total
 
 
 def host_speed(repeats: int = 7) -> dict:
@@ -393,7 +417,7 @@ def merge_rounds(runs: list[dict]) -> dict:
         if all(key in r for r in runs):
             merged[key] = statistics.median(r[key] for r in runs)
             merged[f"{key}_by_round"] = [r[key] for r in runs]
-    for key in ("decode_ms_all", "prefill_ms_all", "decode_probe_ms_all"):
+    for key in ("decode_ms_all", "prefill_ms_all", "decode_probe_ms_all", "decode_steal_fraction_all"):
         if all(key in r for r in runs):
             merged[key] = [x for r in runs for x in r[key]]
     merged["same_outputs_every_round"] = all(r["tokens"] == runs[0]["tokens"] and r["logprobs"] == runs[0]["logprobs"]
@@ -550,6 +574,11 @@ def summarize(results: dict[str, dict], args) -> dict:
             summary[f"decode_vs_host_probe_{name}"] = fit
             print(f"{name}: decode ms vs python probe ms over {fit['repeats']} repeats: correlation {fit['correlation']:.2f}, "
                   f"decode = {fit['intercept_ms']:.3f} + {fit['slope']:.4f} x probe", flush=True)
+        steal = r.get("decode_steal_fraction_all")
+        if steal:
+            summary[f"decode_steal_fraction_{name}"] = steal
+            print(f"{name}: CPU time stolen by the hypervisor during the decode repeats: "
+                  + ", ".join(f"{x:.1%}" for x in steal), flush=True)
     if f and results and all("decode_gpu_ms" in r for r in results.values()):
         for key in ("decode_gpu_ms", "prefill_gpu_ms"):
             summary.update({f"{key}_{name}": r[key] for name, r in results.items()})

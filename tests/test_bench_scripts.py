@@ -51,3 +51,10 @@ def test_host_fit_reads_decode_against_the_probe():
     assert abs(fit["slope"] - 0.05) < 1e-12 and abs(fit["intercept_ms"] - 1.3) < 1e-12
     assert bench_rollout.host_fit([6.0, 6.0, 6.0], [1.6, 1.8, 2.0]) is None  # a constant probe explains nothing
     assert bench_rollout.host_fit([6.0, 7.0], [1.6, 1.8]) is None
+
+
+def test_cpu_jiffies_count_the_pinned_cpus_only():
+    cpus = os.sched_getaffinity(0)
+    first, later = bench_rollout.cpu_jiffies(cpus), bench_rollout.cpu_jiffies(cpus)
+    assert first is not None and 0 <= first[0] <= first[1] and later[1] >= first[1] > 0
+    assert bench_rollout.cpu_jiffies(set()) == (0, 0)
