@@ -14,11 +14,11 @@ own process, with vLLM's engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0
 runs the builds round-robin N times in fresh processes and reports medians over rounds plus each
 round's ratios (processes of one configuration differed by up to 28% on the H200). One more
 profiled pass per build measures GPU time (kernels and copies) and kernels per step: at beam-mini
-size a decode step's wall time is mostly vLLM's host work, which no kernel changes; so every process
-also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch), the first also
-around every decode repeat, records the CPU model and the hypervisor's steal time during each repeat,
-telling a slow host from a slow build. Also reports whether fused and eager builds produce identical greedy tokens and
-log-probs (they share the numerics contract; compiled PyTorch may re-round).
+size a decode step's wall time is mostly vLLM's host work, which no kernel changes. So every process
+also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch; the first also
+around every decode repeat) and records the CPU model and the hypervisor's steal time during each
+repeat, telling a slow host from a slow build. Also reports whether fused and eager builds produce
+identical greedy tokens and log-probs (they share the numerics contract; compiled PyTorch may re-round).
 """
 
 from __future__ import annotations
@@ -132,8 +132,9 @@ def run_build(args) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
     return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, **host_speed(),
-                decode_ms=statistics.median(decode),
-                decode_ms_all=decode, decode_probe_ms_all=decode_probe, decode_steal_fraction_all=decode_steal, **step_stats, prefill_ms=statistics.median(prefill), prefill_ms_all=prefill, **gpu, **trace,
+                decode_ms=statistics.median(decode), decode_ms_all=decode, decode_probe_ms_all=decode_probe,
+                decode_steal_fraction_all=decode_steal, **step_stats, prefill_ms=statistics.median(prefill),
+                prefill_ms_all=prefill, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
 
 
