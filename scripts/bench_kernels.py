@@ -438,7 +438,8 @@ def main():
             print(json.dumps(row), flush=True)
             _dump(args.out, rows)
     # the allocator's setting and the flush are part of the result: after do_bench's zeroing flush the Q/K
-    # prefill rows ran slow in some processes (docs/benchmarks.md, "The Q/K slow mode")
+    # prefill rows ran slow in some processes (docs/benchmarks.md, "Ninth session (2026-12-01): the Q/K
+    # slow mode is the flush's dirty L2")
     meta = dict(device=torch.cuda.get_device_name(), copy_bandwidth_TBps=copy_bw / 1e12, torch=torch.__version__,
                 triton=triton.__version__, command=" ".join(["python"] + sys.argv),
                 cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"), l2_flush=flush_mode)

@@ -562,11 +562,10 @@ def summarize(results: dict[str, dict], args) -> dict:
         print("engine step medians (ms): " + ", ".join(f"{name} {r['decode_step_ms_median']:.3f} "
                                                       f"(p10 {r['decode_step_ms_p10']:.3f})" for name, r in results.items()))
     if results and all("python_probe_ms" in r for r in results.values()):  # the host's speed, process by process
-        for key in ("python_probe_ms", "torch_probe_us"):
-            summary.update({f"{key}_{name}": r.get(f"{key}_by_round", [r[key]]) for name, r in results.items()})
+        for key in ("python_probe_ms", "torch_probe_us"):  # merge_rounds lists every statistic by round
+            summary.update({f"{key}_{name}": r[f"{key}_by_round"] for name, r in results.items()})
         print("host probes by round (python ms / torch us): " + "; ".join(
-            f"{name} " + ", ".join(f"{p:.2f}/{t:.2f}" for p, t in zip(r.get("python_probe_ms_by_round", [r["python_probe_ms"]]),
-                                                                     r.get("torch_probe_us_by_round", [r["torch_probe_us"]])))
+            f"{name} " + ", ".join(f"{p:.2f}/{t:.2f}" for p, t in zip(r["python_probe_ms_by_round"], r["torch_probe_us_by_round"]))
             for name, r in results.items()))
         summary["cpu_model"] = next(iter(results.values())).get("cpu_model")
     for name, r in results.items():  # within a build, how much of the decode's spread the host's speed explains

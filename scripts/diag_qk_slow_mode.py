@@ -10,8 +10,8 @@ CUDA events, after one of three states of the 50 MB L2, taken in turn:
 
 Eight passes, each with a fresh flush buffer (do_bench allocates one per call), the cache emptied
 after every second. The summary counts the passes whose median exceeds 130 us; the kernel moves
-454 MB, 116.5 us at 91% of the copy bandwidth. The ninth session (docs/benchmarks.md, "The Q/K slow
-mode, explained") ran it as
+454 MB, 116.5 us at 91% of the copy bandwidth. The ninth session (docs/benchmarks.md, "Ninth session
+(2026-12-01): the Q/K slow mode is the flush's dirty L2") ran it as
 
     for i in 1 2 3 4; do python scripts/diag_qk_slow_mode.py; done | grep SUMMARY
 
