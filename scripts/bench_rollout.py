@@ -16,8 +16,9 @@ round's ratios (processes of one configuration differed by up to 28% on the H200
 profiled pass per build measures GPU time (kernels and copies) and kernels per step: at beam-mini
 size a decode step's wall time is mostly vLLM's host work, which no kernel changes. So every process
 also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch; the first also
-around every decode repeat) and records the CPU model and the hypervisor's steal time during each
-repeat, telling a slow host from a slow build. Also reports whether fused and eager builds produce
+just before and after every timed repeat) and records the CPU model and the hypervisor's steal time
+during each decode repeat, telling a slow host from a slow build; the summary adds each build's medians
+over the repeats that ran on a host at its nominal speed (`nominal_host`). Also reports whether fused and eager builds produce
 identical greedy tokens and log-probs (they share the numerics contract; compiled PyTorch may re-round).
 """
 
@@ -109,7 +110,7 @@ def run_build(args) -> dict:
         before, ticks = python_probe_ms(), cpu_jiffies(cpus)
         decode.append((timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3)
         after = cpu_jiffies(cpus)
-        decode_probe.append((before + python_probe_ms()) / 2)
+        decode_probe.append([before, python_probe_ms()])
         if ticks and after and after[1] > ticks[1]:  # share of the pinned CPUs' time stolen during the repeat
             decode_steal.append((after[0] - ticks[0]) / (after[1] - ticks[1]))
     with step_clock(llm) as steps_ms:  # the same decode, one engine step at a time
@@ -119,7 +120,11 @@ def run_build(args) -> dict:
                       decode_step_ms_p90=steady[len(steady) * 9 // 10]) if steady else {}
     long_prompts = [[(i * 31 + j * 17) % vocab for i in range(args.prefill_len)] for j in range(8)]
     timed(long_prompts, 1)
-    prefill = [timed(long_prompts, 1) * 1e3 for _ in range(args.repeats)]
+    prefill, prefill_probe = [], []
+    for _ in range(args.repeats):
+        before = python_probe_ms()
+        prefill.append(timed(long_prompts, 1) * 1e3)
+        prefill_probe.append([before, python_probe_ms()])
     gpu = {}
     if args.gpu_time:  # one more pass of each, under the profiler (it slows the wall clock, not the kernels)
         one, full = gpu_time(lambda: timed([prompt], 1)), gpu_time(lambda: timed([prompt], 1 + n))
@@ -132,9 +137,9 @@ def run_build(args) -> dict:
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
     return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, **host_speed(),
-                decode_ms=statistics.median(decode), decode_ms_all=decode, decode_probe_ms_all=decode_probe,
+                decode_ms=statistics.median(decode), decode_ms_all=decode, decode_probe_pairs_ms=decode_probe,
                 decode_steal_fraction_all=decode_steal, **step_stats, prefill_ms=statistics.median(prefill),
-                prefill_ms_all=prefill, **gpu, **trace,
+                prefill_ms_all=prefill, prefill_probe_pairs_ms=prefill_probe, **gpu, **trace,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
 
 
@@ -418,7 +423,8 @@ def merge_rounds(runs: list[dict]) -> dict:
         if all(key in r for r in runs):
             merged[key] = statistics.median(r[key] for r in runs)
             merged[f"{key}_by_round"] = [r[key] for r in runs]
-    for key in ("decode_ms_all", "prefill_ms_all", "decode_probe_ms_all", "decode_steal_fraction_all"):
+    for key in ("decode_ms_all", "prefill_ms_all", "decode_probe_pairs_ms", "prefill_probe_pairs_ms",
+                "decode_steal_fraction_all"):
         if all(key in r for r in runs):
             merged[key] = [x for r in runs for x in r[key]]
     merged["same_outputs_every_round"] = all(r["tokens"] == runs[0]["tokens"] and r["logprobs"] == runs[0]["logprobs"]
@@ -457,6 +463,9 @@ def main() -> int:
                          "builds that land on different cores are not comparable")
     ap.add_argument("--host-profile", action="store_true",
                     help="also run one decode under cProfile and print the Python functions with the most host time")
+    ap.add_argument("--nominal-host-factor", type=float, default=1.3,
+                    help="a timed repeat counts as on a nominal host when the python probes around it are within this "
+                         "factor of the run's fastest probe (the H200 host's two speeds are ~2x apart)")
     ap.add_argument("--no-gpu-time", dest="gpu_time", action="store_false",
                     help="skip the profiled pass that measures GPU time and kernel count per step")
     args = ap.parse_args()
@@ -519,6 +528,29 @@ def host_fit(probe_ms: list[float], decode_ms: list[float]) -> dict | None:
                 intercept_ms=line.intercept, slope=line.slope)
 
 
+def nominal_host(results: dict[str, dict], factor: float) -> tuple[float, dict] | None:
+    """The timed repeats that ran on a host at its nominal speed: those whose python probes, taken just
+    before and just after the repeat, are both within `factor` x the fastest probe of the whole run (every
+    build, decode and prefill). The probe is the same fixed work in every process and knows nothing of
+    the build, so the selection is build-blind. Returns (threshold ms, {build: {phase: (median ms or None,
+    selected repeats, all repeats)}}), None without probes. Why: the lent H200's vCPUs switch, within
+    seconds and with no steal time, between two speeds about 2x apart (probe ~6.5 or ~12-15 ms), so a
+    repeat's wall clock measures the host's state as much as the build."""
+    probes = [p for r in results.values() for key in ("decode_probe_pairs_ms", "prefill_probe_pairs_ms")
+              for pair in r.get(key, []) for p in pair]
+    if not probes:
+        return None
+    threshold = factor * min(probes)
+    selected = {}
+    for name, r in results.items():
+        selected[name] = {}
+        for phase in ("decode", "prefill"):
+            pairs, times = r.get(f"{phase}_probe_pairs_ms", []), r[f"{phase}_ms_all"]
+            kept = [t for t, pair in zip(times, pairs) if max(pair) <= threshold]
+            selected[name][phase] = (statistics.median(kept) if kept else None, len(kept), len(times))
+    return threshold, selected
+
+
 def summarize(results: dict[str, dict], args) -> dict:
     """Print the comparison tables of the builds that ran (fused against eager and/or compiled, whichever
     are there) and return the summary keys (`decode_ms_<build>`, ...; ratios only for builds present)."""
@@ -568,8 +600,31 @@ def summarize(results: dict[str, dict], args) -> dict:
             f"{name} " + ", ".join(f"{p:.2f}/{t:.2f}" for p, t in zip(r["python_probe_ms_by_round"], r["torch_probe_us_by_round"]))
             for name, r in results.items()))
         summary["cpu_model"] = next(iter(results.values())).get("cpu_model")
+    nominal = nominal_host(results, args.nominal_host_factor)
+    if nominal:
+        threshold, selected = nominal
+        summary["nominal_host_threshold_ms"] = threshold
+        print(f"\non a nominal host (repeats with both python probes <= {threshold:.2f} ms, "
+              f"{args.nominal_host_factor} x the run's fastest):")
+        print("| build | decode ms/step | repeats | prefill ms | repeats |")
+        print("|---|---|---|---|---|")
+        for name, phases in selected.items():
+            cells = []
+            for phase in ("decode", "prefill"):
+                ms, kept, total = phases[phase]
+                summary[f"{phase}_ms_nominal_host_{name}"] = ms
+                summary[f"{phase}_nominal_host_repeats_{name}"] = [kept, total]
+                cells += ["-" if ms is None else f"{ms:.3f}" if phase == "decode" else f"{ms:.1f}", f"{kept}/{total}"]
+            print(f"| {name} | " + " | ".join(cells) + " |")
+        if "fused" in selected:
+            for ref_name in ("eager", "compiled"):
+                for phase in ("decode", "prefill"):
+                    ours, ref = selected["fused"][phase][0], selected.get(ref_name, {}).get(phase, (None,))[0]
+                    if ours and ref:
+                        summary[f"{phase}_x_{ref_name}_nominal_host"] = ref / ours
+                        print(f"fused {phase} x {ref_name} on a nominal host: {ref / ours:.2f}")
     for name, r in results.items():  # within a build, how much of the decode's spread the host's speed explains
-        fit = host_fit(r.get("decode_probe_ms_all", []), r["decode_ms_all"])
+        fit = host_fit([statistics.fmean(pair) for pair in r.get("decode_probe_pairs_ms", [])], r["decode_ms_all"])
         if fit:
             summary[f"decode_vs_host_probe_{name}"] = fit
             print(f"{name}: decode ms vs python probe ms over {fit['repeats']} repeats: correlation {fit['correlation']:.2f}, "

@@ -58,3 +58,21 @@ def test_cpu_jiffies_count_the_pinned_cpus_only():
     first, later = bench_rollout.cpu_jiffies(cpus), bench_rollout.cpu_jiffies(cpus)
     assert first is not None and 0 <= first[0] <= first[1] and later[1] >= first[1] > 0
     assert bench_rollout.cpu_jiffies(set()) == (0, 0)
+
+
+def test_nominal_host_keeps_repeats_whose_probes_are_fast_in_every_build():
+    """The selection is build-blind: one threshold (factor x the fastest probe of the run) for every build
+    and phase, and a repeat is kept only if the probes both before and after it are under it."""
+    results = {
+        "fused": dict(decode_ms_all=[1.6, 2.5, 1.5], decode_probe_pairs_ms=[[6.5, 6.6], [14.0, 13.0], [6.4, 12.0]],
+                      prefill_ms_all=[31.0, 48.0], prefill_probe_pairs_ms=[[6.6, 6.9], [13.5, 14.0]]),
+        "compiled": dict(decode_ms_all=[2.2, 1.9], decode_probe_pairs_ms=[[13.0, 13.5], [6.2, 7.0]],
+                         prefill_ms_all=[40.0], prefill_probe_pairs_ms=[[12.0, 12.5]]),
+    }
+    threshold, selected = bench_rollout.nominal_host(results, 1.3)
+    assert abs(threshold - 1.3 * 6.2) < 1e-12
+    assert selected["fused"]["decode"] == (1.6, 1, 3)  # the third repeat ended on a slow host
+    assert selected["fused"]["prefill"] == (31.0, 1, 2)
+    assert selected["compiled"]["decode"] == (1.9, 1, 2)
+    assert selected["compiled"]["prefill"] == (None, 0, 1)
+    assert bench_rollout.nominal_host({"fused": dict(decode_ms_all=[1.0], prefill_ms_all=[2.0])}, 1.3) is None
