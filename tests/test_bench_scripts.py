@@ -76,3 +76,15 @@ def test_nominal_host_keeps_repeats_whose_probes_are_fast_in_every_build():
     assert selected["compiled"]["decode"] == (1.9, 1, 2)
     assert selected["compiled"]["prefill"] == (None, 0, 1)
     assert bench_rollout.nominal_host({"fused": dict(decode_ms_all=[1.0], prefill_ms_all=[2.0])}, 1.3) is None
+
+
+def test_host_speed_sweep_visits_every_cpu_and_restores_the_affinity():
+    import diag_host_speed
+
+    before = os.sched_getaffinity(0)
+    cpus = sorted(before)
+    probes = diag_host_speed.sweep(cpus, passes=2, repeats=1)
+    assert sorted(probes) == cpus and all(len(v) == 2 and min(v) > 0 for v in probes.values())
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(ValueError, match="not in this process's affinity"):
+        diag_host_speed.sweep([max(cpus) + 1000], passes=1)
