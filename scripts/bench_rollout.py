@@ -551,6 +551,28 @@ def nominal_host(results: dict[str, dict], factor: float) -> tuple[float, dict] 
     return threshold, selected
 
 
+GOALS = (("decode", "eager", 2.5), ("decode", "compiled", 1.3), ("prefill", "eager", 1.8), ("prefill", "compiled", 1.05))
+
+
+def goal_rows(results: dict[str, dict], nominal: dict | None) -> list[dict]:
+    """Issue 4's speed goals (fused at least `target` x faster than the baseline build) by each measure the
+    run has: wall clock (medians over rounds), wall clock on a nominal host (`nominal_host`'s selection)
+    and GPU time. A measure is None where a build or its data is missing."""
+    fused = results.get("fused")
+    rows = []
+    for phase, ref_name, target in GOALS:
+        ref = results.get(ref_name)
+        if fused is None or ref is None:
+            continue
+        wall = ref[f"{phase}_ms"] / fused[f"{phase}_ms"]
+        ours, theirs = ((nominal or {}).get(name, {}).get(phase, (None,))[0] for name in ("fused", ref_name))
+        gpu_key = f"{phase}_gpu_ms"
+        gpu = ref[gpu_key] / fused[gpu_key] if gpu_key in ref and gpu_key in fused else None
+        rows.append(dict(goal=f"{phase} >= {target}x {ref_name}", target=target, wall=wall,
+                         wall_nominal_host=theirs / ours if ours and theirs else None, gpu=gpu))
+    return rows
+
+
 def summarize(results: dict[str, dict], args) -> dict:
     """Print the comparison tables of the builds that ran (fused against eager and/or compiled, whichever
     are there) and return the summary keys (`decode_ms_<build>`, ...; ratios only for builds present)."""
@@ -644,6 +666,15 @@ def summarize(results: dict[str, dict], args) -> dict:
             print(f"| {name} | {r['decode_gpu_ms']:.3f} | {r['decode_kernels_per_step']:.0f} | "
                   f"{r['decode_gpu_ms'] / f['decode_gpu_ms']:.2f} | {r['prefill_gpu_ms']:.1f} | "
                   f"{r['prefill_gpu_ms'] / f['prefill_gpu_ms']:.2f} |")
+    goals = goal_rows(results, nominal[1] if nominal else None)
+    if goals:
+        summary["goals"] = goals
+        print("\n| goal (issue 4) | wall clock | on a nominal host | GPU time |")
+        print("|---|---|---|---|")
+        for g in goals:
+            cells = ["-" if g[k] is None else f"{g[k]:.2f}x " + ("met" if g[k] >= g["target"] else "missed")
+                     for k in ("wall", "wall_nominal_host", "gpu")]
+            print(f"| {g['goal']} | " + " | ".join(cells) + " |")
     print(json.dumps(summary, indent=1))
     return summary
 

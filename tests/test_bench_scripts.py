@@ -88,3 +88,22 @@ def test_host_speed_sweep_visits_every_cpu_and_restores_the_affinity():
     assert os.sched_getaffinity(0) == before
     with pytest.raises(ValueError, match="not in this process's affinity"):
         diag_host_speed.sweep([max(cpus) + 1000], passes=1)
+
+
+def test_goal_rows_read_every_measure_the_run_has():
+    results = {
+        "fused": dict(decode_ms=2.0, prefill_ms=34.0, decode_gpu_ms=0.94, prefill_gpu_ms=24.0),
+        "compiled": dict(decode_ms=2.1, prefill_ms=39.0, decode_gpu_ms=1.38, prefill_gpu_ms=27.0),
+        "eager": dict(decode_ms=4.0, prefill_ms=93.0),  # no GPU-time pass for this one
+    }
+    nominal = {"fused": {"decode": (1.8, 5, 18), "prefill": (33.0, 13, 18)},
+               "compiled": {"decode": (1.85, 8, 18), "prefill": (None, 0, 18)}}
+    rows = {r["goal"]: r for r in bench_rollout.goal_rows(results, nominal)}
+    assert list(rows) == ["decode >= 2.5x eager", "decode >= 1.3x compiled", "prefill >= 1.8x eager",
+                          "prefill >= 1.05x compiled"]
+    assert rows["decode >= 1.3x compiled"]["wall"] == 2.1 / 2.0
+    assert rows["decode >= 1.3x compiled"]["wall_nominal_host"] == 1.85 / 1.8
+    assert rows["decode >= 1.3x compiled"]["gpu"] == 1.38 / 0.94
+    assert rows["decode >= 2.5x eager"]["wall_nominal_host"] is None and rows["decode >= 2.5x eager"]["gpu"] is None
+    assert rows["prefill >= 1.05x compiled"]["wall_nominal_host"] is None
+    assert bench_rollout.goal_rows({"eager": results["eager"]}, None) == []
