@@ -18,8 +18,10 @@ size a decode step's wall time is mostly vLLM's host work, which no kernel chang
 also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch; the first also
 just before and after every timed repeat) and records the CPU model and the hypervisor's steal time
 during each decode repeat, telling a slow host from a slow build; the summary adds each build's medians
-over the repeats that ran on a host at its nominal speed (`nominal_host`). Also reports whether fused and eager builds produce
-identical greedy tokens and log-probs (they share the numerics contract; compiled PyTorch may re-round).
+over the repeats that ran on a host at its nominal speed (`nominal_host`), and issue 4's goals by wall
+clock, wall clock on a nominal host and GPU time (`goal_rows`). Also reports whether fused and eager
+builds produce identical greedy tokens and log-probs (they share the numerics contract; compiled
+PyTorch may re-round).
 """
 
 from __future__ import annotations
@@ -533,9 +535,9 @@ def nominal_host(results: dict[str, dict], factor: float) -> tuple[float, dict] 
     before and just after the repeat, are both within `factor` x the fastest probe of the whole run (every
     build, decode and prefill). The probe is the same fixed work in every process and knows nothing of
     the build, so the selection is build-blind. Returns (threshold ms, {build: {phase: (median ms or None,
-    selected repeats, all repeats)}}), None without probes. Why: the lent H200's vCPUs switch, within
-    seconds and with no steal time, between two speeds about 2x apart (probe ~6.5 or ~12-15 ms), so a
-    repeat's wall clock measures the host's state as much as the build."""
+    selected repeats, all repeats)}}), None without probes. Why: the lent H200's vCPUs change speed within
+    seconds and with no steal time, mostly between two speeds about 2x apart (probe ~6-8 or ~12-17 ms),
+    so a repeat's wall clock measures the host's state as much as the build."""
     probes = [p for r in results.values() for key in ("decode_probe_pairs_ms", "prefill_probe_pairs_ms")
               for pair in r.get(key, []) for p in pair]
     if not probes:
@@ -637,14 +639,7 @@ def summarize(results: dict[str, dict], args) -> dict:
                 summary[f"{phase}_ms_nominal_host_{name}"] = ms
                 summary[f"{phase}_nominal_host_repeats_{name}"] = [kept, total]
                 cells += ["-" if ms is None else f"{ms:.3f}" if phase == "decode" else f"{ms:.1f}", f"{kept}/{total}"]
-            print(f"| {name} | " + " | ".join(cells) + " |")
-        if "fused" in selected:
-            for ref_name in ("eager", "compiled"):
-                for phase in ("decode", "prefill"):
-                    ours, ref = selected["fused"][phase][0], selected.get(ref_name, {}).get(phase, (None,))[0]
-                    if ours and ref:
-                        summary[f"{phase}_x_{ref_name}_nominal_host"] = ref / ours
-                        print(f"fused {phase} x {ref_name} on a nominal host: {ref / ours:.2f}")
+            print(f"| {name} | " + " | ".join(cells) + " |")  # the ratios: in the goals table below
     for name, r in results.items():  # within a build, how much of the decode's spread the host's speed explains
         fit = host_fit([statistics.fmean(pair) for pair in r.get("decode_probe_pairs_ms", [])], r["decode_ms_all"])
         if fit:
