@@ -8,8 +8,9 @@
 - eager:    the same plain PyTorch without compilation (CUDA graphs kept where vLLM allows it
             without compilation; the build's actual compilation/cudagraph settings are printed)
 
-Batch-1 decode: ms per step from (t(1 + N tokens) - t(1 token)) / N; prefill: 8 x 2048-token
-prompts, one output token, prefix caching off. Medians of --repeats runs. Each build runs in its
+Batch-1 decode: ms per step from (t(1 + N tokens) - t(1 token)) / N (`--decode-batches 8,64` also
+times it with that many requests in flight, in the same engine); prefill: 8 x 2048-token prompts, one
+output token, prefix caching off. Medians of --repeats runs. Each build runs in its
 own process, with vLLM's engine core inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0); `--rounds N`
 runs the builds round-robin N times in fresh processes and reports medians over rounds plus each
 round's ratios (processes of one configuration differed by up to 28% on the H200). One more
@@ -75,8 +76,8 @@ def run_build(args) -> dict:
     extra.update(user_args)
     max_len = max(args.prefill_len + 1, 32 + 1 + args.decode_tokens)
     engine_args = dict(model=args.checkpoint, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=max_len,
-                       max_num_batched_tokens=max(16384, 8 * args.prefill_len), max_num_seqs=16, enable_prefix_caching=False,
-                       gpu_memory_utilization=0.6, seed=0)
+                       max_num_batched_tokens=max(16384, 8 * args.prefill_len), max_num_seqs=max([16, *args.decode_batches]),
+                       enable_prefix_caching=False, gpu_memory_utilization=0.6, seed=0)
     t0 = time.time()
     try:
         llm = LLM(**engine_args, **extra)
@@ -136,13 +137,33 @@ def run_build(args) -> dict:
     trace = step_trace(lambda: timed([prompt], 1 + args.trace_steps), args.trace_steps) if args.trace_steps else {}
     if args.host_profile:
         trace["host_profile"] = host_profile(lambda: timed([prompt], 1 + n), n)
+    batches = {str(b): decode_at_batch(timed, b, vocab, n, args.repeats, args.gpu_time) for b in args.decode_batches}
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0]
     return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, **host_speed(),
                 decode_ms=statistics.median(decode), decode_ms_all=decode, decode_probe_pairs_ms=decode_probe,
                 decode_steal_fraction_all=decode_steal, **step_stats, prefill_ms=statistics.median(prefill),
-                prefill_ms_all=prefill, prefill_probe_pairs_ms=prefill_probe, **gpu, **trace,
+                prefill_ms_all=prefill, prefill_probe_pairs_ms=prefill_probe, **gpu, **trace, decode_batches=batches,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
+
+
+def decode_at_batch(timed, batch: int, vocab: int, n: int, repeats: int, with_gpu_time: bool) -> dict:
+    """Decode ms per step with `batch` requests in flight (distinct 32-token prompts, so the MoE routes
+    them apart), measured like batch 1: (t(1 + n tokens) - t(1)) / n, medians of `repeats`, the python
+    probe around each repeat; with `with_gpu_time` also GPU ms and kernels per step. Where batch 1 is
+    bound by vLLM's host work, this shows at what batch the GPU work per step takes over."""
+    prompts = [[(i * 7919 + j * 104729) % vocab for i in range(32)] for j in range(batch)]
+    timed(prompts, 8)  # warm-up (and this batch size's first graph replay)
+    times, probes = [], []
+    for _ in range(repeats):
+        before = python_probe_ms()
+        times.append((timed(prompts, 1 + n) - timed(prompts, 1)) / n * 1e3)
+        probes.append([before, python_probe_ms()])
+    out = dict(decode_ms=statistics.median(times), decode_ms_all=times, decode_probe_pairs_ms=probes)
+    if with_gpu_time:
+        one, full = gpu_time(lambda: timed(prompts, 1)), gpu_time(lambda: timed(prompts, 1 + n))
+        out.update(decode_gpu_ms=(full[0] - one[0]) / n, decode_kernels_per_step=(full[1] - one[1]) / n)
+    return out
 
 
 class _ProbeItem:
@@ -253,6 +274,19 @@ def parse_builds(spec: str) -> dict[str, tuple[str, dict[str, str]]]:
                         form="BUILD:KEY=VALUE[+KEY=VALUE]")
         builds[entry] = (build, env)
     return builds
+
+
+def parse_batches(spec: str) -> list[int]:
+    """'8,64' -> [8, 64]: distinct batch sizes >= 2 for `--decode-batches` ('' -> [])."""
+    if not spec:
+        return []
+    try:
+        batches = [int(b) for b in spec.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected comma-separated integers, e.g. 8,64") from None
+    if any(b < 2 for b in batches) or len(set(batches)) != len(batches):
+        raise argparse.ArgumentTypeError(f"{spec!r}: batch sizes must be distinct and >= 2 (batch 1 is always timed)")
+    return batches
 
 
 def parse_cpus(spec: str) -> set[int]:
@@ -388,7 +422,7 @@ def run_build_process(name: str, args, extra_env: dict[str, str], engine_args_js
     separate_core = env["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0"
     cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--build", name,
            "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats), "--prefill-len", str(args.prefill_len),
-           "--engine-args-json", engine_args_json]
+           "--engine-args-json", engine_args_json, "--decode-batches", ",".join(map(str, args.decode_batches))]
     if not args.gpu_time or separate_core:  # the profiler sees only this process
         cmd.append("--no-gpu-time")
     if args.trace_steps and not separate_core:
@@ -429,6 +463,14 @@ def merge_rounds(runs: list[dict]) -> dict:
                 "decode_steal_fraction_all"):
         if all(key in r for r in runs):
             merged[key] = [x for r in runs for x in r[key]]
+    merged["decode_batches"] = {}
+    for b in runs[-1].get("decode_batches", {}):  # each batch size's median over rounds, every repeat kept
+        per_round = [r["decode_batches"][b] for r in runs]
+        merged["decode_batches"][b] = dict(
+            per_round[-1], decode_ms=statistics.median(x["decode_ms"] for x in per_round),
+            decode_ms_by_round=[x["decode_ms"] for x in per_round],
+            decode_ms_all=[t for x in per_round for t in x["decode_ms_all"]],
+            decode_probe_pairs_ms=[p for x in per_round for p in x["decode_probe_pairs_ms"]])
     merged["same_outputs_every_round"] = all(r["tokens"] == runs[0]["tokens"] and r["logprobs"] == runs[0]["logprobs"]
                                              for r in runs)
     return merged
@@ -442,6 +484,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5,
                     help="timed runs per build (cheap next to the engine start; the host-bound step time jitters)")
     ap.add_argument("--prefill-len", type=int, default=2048, help="tokens per prompt of the 8-prompt prefill")
+    ap.add_argument("--decode-batches", type=parse_batches, default=[], metavar="B[,B...]",
+                    help="also time decode with B requests in flight, for each B >= 2 (batch 1 is always timed); in the "
+                         "same engine, after the batch-1 measurements (max_num_seqs grows to the largest B)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the builds round-robin this many times, each in a fresh process, and report medians over "
                          "rounds (processes of one configuration differ by up to ~25%% in host speed)")
@@ -661,6 +706,30 @@ def summarize(results: dict[str, dict], args) -> dict:
             print(f"| {name} | {r['decode_gpu_ms']:.3f} | {r['decode_kernels_per_step']:.0f} | "
                   f"{r['decode_gpu_ms'] / f['decode_gpu_ms']:.2f} | {r['prefill_gpu_ms']:.1f} | "
                   f"{r['prefill_gpu_ms'] / f['prefill_gpu_ms']:.2f} |")
+    batch_sizes = sorted({int(b) for r in results.values() for b in r.get("decode_batches", {})})
+    if batch_sizes:  # where the GPU work per step takes over from the host's
+        print("\ndecode ms/step by batch size (wall clock; GPU time in brackets where measured)")
+        print("| batch | " + " | ".join(results) + " | " + " | ".join(f"fused x {n}" for n in results if n != "fused" and f) + " |")
+        print("|---" * (1 + len(results) + (len(results) - 1 if f else 0)) + "|")
+        for b in batch_sizes:
+            rows = {n: r.get("decode_batches", {}).get(str(b)) for n, r in results.items()}
+            cells = []
+            for name, row in rows.items():
+                if row is None:
+                    cells.append("-")
+                    continue
+                summary[f"decode_ms_b{b}_{name}"] = row["decode_ms"]
+                gpu = row.get("decode_gpu_ms")
+                if gpu is not None:
+                    summary[f"decode_gpu_ms_b{b}_{name}"] = gpu
+                cells.append(f"{row['decode_ms']:.3f}" + (f" ({gpu:.3f})" if gpu is not None else ""))
+            if f:
+                ours = rows.get("fused")
+                for name, row in rows.items():
+                    if name == "fused":
+                        continue
+                    cells.append(f"{row['decode_ms'] / ours['decode_ms']:.2f}" if row and ours else "-")
+            print(f"| {b} | " + " | ".join(cells) + " |")
     goals = goal_rows(results, nominal[1] if nominal else None)
     if goals:
         summary["goals"] = goals

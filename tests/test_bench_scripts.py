@@ -107,3 +107,20 @@ def test_goal_rows_read_every_measure_the_run_has():
     assert rows["decode >= 2.5x eager"]["wall_nominal_host"] is None and rows["decode >= 2.5x eager"]["gpu"] is None
     assert rows["prefill >= 1.05x compiled"]["wall_nominal_host"] is None
     assert bench_rollout.goal_rows({"eager": results["eager"]}, None) == []
+
+
+def test_decode_batches_parse_and_merge_over_rounds():
+    assert bench_rollout.parse_batches("") == [] and bench_rollout.parse_batches("8,64") == [8, 64]
+    for bad in ("1,8", "8,8", "eight"):
+        with pytest.raises(Exception, match="batch sizes must be distinct|comma-separated integers"):
+            bench_rollout.parse_batches(bad)
+
+    def run(b8_ms):
+        return dict(decode_ms=1.5, prefill_ms=30.0, decode_ms_all=[1.5], prefill_ms_all=[30.0], tokens=[1], logprobs=[-0.5],
+                    decode_batches={"8": dict(decode_ms=b8_ms, decode_ms_all=[b8_ms], decode_probe_pairs_ms=[[6.5, 6.6]],
+                                              decode_gpu_ms=1.1)})
+
+    merged = bench_rollout.merge_rounds([run(2.0), run(2.4), run(2.1)])["decode_batches"]["8"]
+    assert merged["decode_ms"] == 2.1 and merged["decode_ms_by_round"] == [2.0, 2.4, 2.1]
+    assert merged["decode_ms_all"] == [2.0, 2.4, 2.1] and len(merged["decode_probe_pairs_ms"]) == 3
+    assert merged["decode_gpu_ms"] == 1.1
