@@ -107,15 +107,7 @@ def run_build(args) -> dict:
 
     timed([prompt], 8)  # warm-up
     n = args.decode_tokens
-    decode, decode_probe, decode_steal = [], [], []
-    cpus = os.sched_getaffinity(0)
-    for _ in range(args.repeats):  # the host's speed around each repeat: the host moves within seconds
-        before, ticks = python_probe_ms(), cpu_jiffies(cpus)
-        decode.append((timed([prompt], 1 + n) - timed([prompt], 1)) / n * 1e3)
-        after = cpu_jiffies(cpus)
-        decode_probe.append([before, python_probe_ms()])
-        if ticks and after and after[1] > ticks[1]:  # share of the pinned CPUs' time stolen during the repeat
-            decode_steal.append((after[0] - ticks[0]) / (after[1] - ticks[1]))
+    decode, decode_probe, decode_steal = probed_repeats(lambda: decode_ms_per_step(timed, [prompt], n), args.repeats)
     with step_clock(llm) as steps_ms:  # the same decode, one engine step at a time
         timed([prompt], 1 + n)
     steady = sorted(steps_ms[2:-1])  # drop the prefill and the first decode step, and the final drain
@@ -123,17 +115,11 @@ def run_build(args) -> dict:
                       decode_step_ms_p90=steady[len(steady) * 9 // 10]) if steady else {}
     long_prompts = [[(i * 31 + j * 17) % vocab for i in range(args.prefill_len)] for j in range(8)]
     timed(long_prompts, 1)
-    prefill, prefill_probe = [], []
-    for _ in range(args.repeats):
-        before = python_probe_ms()
-        prefill.append(timed(long_prompts, 1) * 1e3)
-        prefill_probe.append([before, python_probe_ms()])
+    prefill, prefill_probe, prefill_steal = probed_repeats(lambda: timed(long_prompts, 1) * 1e3, args.repeats)
     gpu = {}
     if args.gpu_time:  # one more pass of each, under the profiler (it slows the wall clock, not the kernels)
-        one, full = gpu_time(lambda: timed([prompt], 1)), gpu_time(lambda: timed([prompt], 1 + n))
         pre = gpu_time(lambda: timed(long_prompts, 1))
-        gpu = dict(decode_gpu_ms=(full[0] - one[0]) / n, decode_kernels_per_step=(full[1] - one[1]) / n,
-                   prefill_gpu_ms=pre[0], prefill_kernels=pre[1])
+        gpu = dict(decode_gpu(timed, [prompt], n), prefill_gpu_ms=pre[0], prefill_kernels=pre[1])
     trace = step_trace(lambda: timed([prompt], 1 + args.trace_steps), args.trace_steps) if args.trace_steps else {}
     if args.host_profile:
         trace["host_profile"] = host_profile(lambda: timed([prompt], 1 + n), n)
@@ -143,7 +129,8 @@ def run_build(args) -> dict:
     return dict(build=args.build, mode=mode, engine=engine, engine_start_s=start_s, **host_speed(),
                 decode_ms=statistics.median(decode), decode_ms_all=decode, decode_probe_pairs_ms=decode_probe,
                 decode_steal_fraction_all=decode_steal, **step_stats, prefill_ms=statistics.median(prefill),
-                prefill_ms_all=prefill, prefill_probe_pairs_ms=prefill_probe, **gpu, **trace, decode_batches=batches,
+                prefill_ms_all=prefill, prefill_probe_pairs_ms=prefill_probe, prefill_steal_fraction_all=prefill_steal,
+                **gpu, **trace, decode_batches=batches,
                 tokens=list(out.token_ids), logprobs=[d[t].logprob for d, t in zip(out.logprobs, out.token_ids)])
 
 
@@ -154,16 +141,37 @@ def decode_at_batch(timed, batch: int, vocab: int, n: int, repeats: int, with_gp
     bound by vLLM's host work, this shows at what batch the GPU work per step takes over."""
     prompts = [[(i * 7919 + j * 104729) % vocab for i in range(32)] for j in range(batch)]
     timed(prompts, 8)  # warm-up (and this batch size's first graph replay)
-    times, probes = [], []
+    times, probes, steal = probed_repeats(lambda: decode_ms_per_step(timed, prompts, n), repeats)
+    out = dict(decode_ms=statistics.median(times), decode_ms_all=times, decode_probe_pairs_ms=probes,
+               decode_steal_fraction_all=steal)
+    return dict(out, **decode_gpu(timed, prompts, n)) if with_gpu_time else out
+
+
+def decode_ms_per_step(timed, prompts: list[list[int]], n: int) -> float:
+    """ms per decode step of these prompts, (t(1 + n tokens) - t(1 token)) / n: the prefill cancels."""
+    return (timed(prompts, 1 + n) - timed(prompts, 1)) / n * 1e3
+
+
+def decode_gpu(timed, prompts: list[list[int]], n: int) -> dict:
+    """GPU ms and kernels per decode step of these prompts, from one profiled pass of 1 and of 1 + n tokens."""
+    one, full = gpu_time(lambda: timed(prompts, 1)), gpu_time(lambda: timed(prompts, 1 + n))
+    return dict(decode_gpu_ms=(full[0] - one[0]) / n, decode_kernels_per_step=(full[1] - one[1]) / n)
+
+
+def probed_repeats(fn, repeats: int) -> tuple[list[float], list[list[float]], list[float]]:
+    """`repeats` calls of fn (each returning ms), each with the python probe taken just before and just after
+    it and the share of this process's CPUs' time the hypervisor stole during it (the host moves within
+    seconds): (ms, [[probe before, after], ...], steal fractions)."""
+    cpus = os.sched_getaffinity(0)
+    times, probes, steal = [], [], []
     for _ in range(repeats):
-        before = python_probe_ms()
-        times.append((timed(prompts, 1 + n) - timed(prompts, 1)) / n * 1e3)
+        before, ticks = python_probe_ms(), cpu_jiffies(cpus)
+        times.append(fn())
+        after = cpu_jiffies(cpus)
         probes.append([before, python_probe_ms()])
-    out = dict(decode_ms=statistics.median(times), decode_ms_all=times, decode_probe_pairs_ms=probes)
-    if with_gpu_time:
-        one, full = gpu_time(lambda: timed(prompts, 1)), gpu_time(lambda: timed(prompts, 1 + n))
-        out.update(decode_gpu_ms=(full[0] - one[0]) / n, decode_kernels_per_step=(full[1] - one[1]) / n)
-    return out
+        if ticks and after and after[1] > ticks[1]:
+            steal.append((after[0] - ticks[0]) / (after[1] - ticks[1]))
+    return times, probes, steal
 
 
 class _ProbeItem:
@@ -448,29 +456,31 @@ def run_build_process(name: str, args, extra_env: dict[str, str], engine_args_js
 
 ROUND_MEDIANS = ("decode_ms", "prefill_ms", "decode_step_ms_median", "decode_step_ms_p10", "decode_step_ms_p90",
                  "decode_gpu_ms", "prefill_gpu_ms", "python_probe_ms", "torch_probe_us")
+ROUND_LISTS = ("decode_ms_all", "prefill_ms_all", "decode_probe_pairs_ms", "prefill_probe_pairs_ms",
+               "decode_steal_fraction_all", "prefill_steal_fraction_all")
+
+
+def merge_stats(runs: list[dict]) -> dict:
+    """The last run's dict with, for every key all runs have, the median over runs of each `ROUND_MEDIANS`
+    key (also listed as KEY_by_round) and the concatenation of each `ROUND_LISTS` key."""
+    merged = dict(runs[-1])
+    for key in ROUND_MEDIANS:
+        if all(key in r for r in runs):
+            merged[key] = statistics.median(r[key] for r in runs)
+            merged[f"{key}_by_round"] = [r[key] for r in runs]
+    for key in ROUND_LISTS:
+        if all(key in r for r in runs):
+            merged[key] = [x for r in runs for x in r[key]]
+    return merged
 
 
 def merge_rounds(runs: list[dict]) -> dict:
     """One build's result over `--rounds` processes: the medians over rounds of its per-process statistics
     (`ROUND_MEDIANS`, each also listed as KEY_by_round), every timed repeat kept; tokens, log-probs and
     settings from the last round, and whether every round generated the same tokens and log-probs."""
-    merged = dict(runs[-1])
-    for key in ROUND_MEDIANS:
-        if all(key in r for r in runs):
-            merged[key] = statistics.median(r[key] for r in runs)
-            merged[f"{key}_by_round"] = [r[key] for r in runs]
-    for key in ("decode_ms_all", "prefill_ms_all", "decode_probe_pairs_ms", "prefill_probe_pairs_ms",
-                "decode_steal_fraction_all"):
-        if all(key in r for r in runs):
-            merged[key] = [x for r in runs for x in r[key]]
-    merged["decode_batches"] = {}
-    for b in runs[-1].get("decode_batches", {}):  # each batch size's median over rounds, every repeat kept
-        per_round = [r["decode_batches"][b] for r in runs]
-        merged["decode_batches"][b] = dict(
-            per_round[-1], decode_ms=statistics.median(x["decode_ms"] for x in per_round),
-            decode_ms_by_round=[x["decode_ms"] for x in per_round],
-            decode_ms_all=[t for x in per_round for t in x["decode_ms_all"]],
-            decode_probe_pairs_ms=[p for x in per_round for p in x["decode_probe_pairs_ms"]])
+    merged = merge_stats(runs)
+    merged["decode_batches"] = {b: merge_stats([r["decode_batches"][b] for r in runs])  # each batch size alike
+                                for b in runs[-1].get("decode_batches", {})}
     merged["same_outputs_every_round"] = all(r["tokens"] == runs[0]["tokens"] and r["logprobs"] == runs[0]["logprobs"]
                                              for r in runs)
     return merged
