@@ -18,7 +18,7 @@ profiled pass per build measures GPU time (kernels and copies) and kernels per s
 size a decode step's wall time is mostly vLLM's host work, which no kernel changes. So every process
 also times two fixed host workloads (`host_speed`: CPython objects, PyTorch dispatch; the first also
 just before and after every timed repeat) and records the CPU model and the hypervisor's steal time
-during each decode repeat, telling a slow host from a slow build; the summary adds each build's medians
+during each timed repeat, telling a slow host from a slow build; the summary adds each build's medians
 over the repeats that ran on a host at its nominal speed (`nominal_host`), and issue 4's goals by wall
 clock, wall clock on a nominal host and GPU time (`goal_rows`). Also reports whether fused and eager
 builds produce identical greedy tokens and log-probs (they share the numerics contract; compiled
