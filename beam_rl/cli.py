@@ -20,7 +20,7 @@ def _dtype(name: str):
 
 def cmd_plan(args) -> int:
     from beam_rl.plan import format_plan, make_plan
-    from beam_rl.presets import get_preset
+    from beam_rl.model.presets import get_preset
 
     plan = make_plan(get_preset(args.preset), args.preset, args.gpus, args.gpu_gib, args.expert_format)
     print(json.dumps(asdict(plan), indent=1) if args.json else format_plan(plan))
@@ -28,8 +28,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from beam_rl.checkpoint import build_model, save_checkpoint
-    from beam_rl.presets import get_preset
+    from beam_rl.model.checkpoint import save_checkpoint
+    from beam_rl.model.modeling import build_model
+    from beam_rl.model.presets import get_preset
 
     model = build_model(get_preset(args.preset), seed=args.seed, dtype=_dtype(args.dtype))
     path = save_checkpoint(model, args.out)
@@ -40,7 +41,7 @@ def cmd_init(args) -> int:
 def cmd_generate(args) -> int:
     import torch
 
-    from beam_rl.checkpoint import load_checkpoint
+    from beam_rl.model.modeling import load_checkpoint
 
     model = load_checkpoint(args.checkpoint, dtype=_dtype(args.dtype))
     prompt = torch.tensor([[int(t) for t in args.prompt_ids.split()]])
@@ -54,9 +55,10 @@ def cmd_demo(args) -> int:
     generation (KV cache checked against full recompute) -> routing summary -> the 501B plan."""
     import torch
 
-    from beam_rl.checkpoint import build_model, load_checkpoint, save_checkpoint
+    from beam_rl.model.checkpoint import save_checkpoint
+    from beam_rl.model.modeling import build_model, load_checkpoint
     from beam_rl.plan import format_plan, make_plan
-    from beam_rl.presets import get_preset
+    from beam_rl.model.presets import get_preset
 
     out = Path(args.out)
     config = get_preset("beam-tiny")
@@ -85,7 +87,7 @@ def cmd_demo(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from beam_rl.presets import PRESETS
+    from beam_rl.model.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="beam-rl", description="DAPO post-training of Beam MoE with Rollout Routing Replay.")
     sub = parser.add_subparsers(dest="command", required=True)

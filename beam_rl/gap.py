@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch / numpy load lazily: `beam-rl plan` should not pay for them
     import numpy as np
 
-    from beam_rl.config import BeamConfig
+    from beam_rl.model.config import BeamConfig
     from beam_rl.r3 import RolloutBatch
 
 LN2 = math.log(2.0)
@@ -135,8 +135,9 @@ def load_prompts(path: str, config: BeamConfig) -> list[list[int]]:
 def _build_checkpoint(preset: str, seed: int, out: Path) -> Path:
     import torch
 
-    from beam_rl.checkpoint import build_model, save_checkpoint
-    from beam_rl.presets import get_preset
+    from beam_rl.model.checkpoint import save_checkpoint
+    from beam_rl.model.modeling import build_model
+    from beam_rl.model.presets import get_preset
 
     return save_checkpoint(build_model(get_preset(preset), seed=seed, dtype=torch.bfloat16), out)
 
@@ -193,7 +194,7 @@ def build_trainer(checkpoint: str, config: BeamConfig, opts: GapOptions):
     """The Megatron model of the mode, weights loaded (plus the seeded random adapter for lora)."""
     import torch
 
-    from beam_rl.checkpoint import read_tensors
+    from beam_rl.model.checkpoint import read_tensors
     from beam_rl.megatron.attention import trainer_attention_dtype
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.provider import BeamModelProvider
@@ -310,9 +311,9 @@ def run_gap(opts: GapOptions, *, llm=None) -> dict:
     import numpy as np
     import torch
 
-    from beam_rl.checkpoint import load_config
+    from beam_rl.model.checkpoint import load_config
     from beam_rl.megatron.attention import set_attention_dtype, trainer_attention_dtype
-    from beam_rl.presets import get_preset
+    from beam_rl.model.presets import get_preset
     from beam_rl.rollout.worker import engine_attention_isa
 
     if opts.mode not in MODES:
@@ -449,7 +450,7 @@ def format_report(report: dict) -> str:
 # -- CLI ----------------------------------------------------------------------------------------
 
 def add_gap_parser(sub) -> None:
-    from beam_rl.presets import PRESETS
+    from beam_rl.model.presets import PRESETS
 
     p = sub.add_parser("gap", help="log-prob gap between vLLM rollout and Megatron trainer, R3 on and off")
     src = p.add_mutually_exclusive_group(required=True)

@@ -1,6 +1,6 @@
 """`beam-rl plan`: parameters, memory and a parallel layout from the config alone (no allocation).
 
-Parameter counts come from the checkpoint tensor table (`beam_rl.weights`), so the plan, the
+Parameter counts come from the checkpoint tensor table (`beam_rl.model.weights`), so the plan, the
 checkpoints and the models agree by construction. Memory models, stated so they can be checked:
 
 - Rollout (vLLM): one engine spans `t` GPUs with tensor parallelism t for attention / dense MLP /
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from beam_rl.config import BeamConfig
-from beam_rl.weights import checkpoint_tensors
+from beam_rl.model.config import BeamConfig
+from beam_rl.model.weights import checkpoint_tensors
 
 GIB = 1 << 30
 # Bytes per element of weight storage formats (block scales included).

@@ -12,12 +12,16 @@ Token order. A request of P prompt and G generated tokens is the sequence s = pr
 the model), so it recorded N - 1 routing rows: row t = the experts of token s[t], prompt tokens
 included (prefill). In the trainer row b holds s at positions 0..N-1 followed by padding; routing
 row t of the request is routing row t of the trainer; row N - 1 (whose output predicts nothing
-inside the sequence) and padding rows get experts 0..K-1 (`replay.pad_routed_experts`). The
+inside the sequence) and padding rows get experts 0..K-1 (`pad_routed_experts`). The
 rollout log-prob of output token j is the log-prob of s[P + j] given s[:P + j], i.e. trainer
 log-prob column P + j - 1 (`sequence_logprobs` puts log p(s[t + 1] | s[:t + 1]) at column t).
 
-Compactness: ids stay in the narrowest dtype (`uint8` for <= 256 experts, as vLLM returns them)
-in the samples and in `TrainerBatch.routed_experts`; they widen to int64 only inside `set_replay`.
+Compactness: ids stay in vLLM's capture dtype in the samples (`rollout_id_dtype`: uint8 for <= 256
+experts) and as narrow in `TrainerBatch.routed_experts` (`trainer_id_dtype`); they widen to int64
+only inside the trainer's replay.
+
+This module is the contract between the engines: it imports neither the rollout plugin nor the
+Megatron trainer.
 Dense-layer rows are dropped by layer type when a sample is made from vLLM's all-layer array.
 
 Packing (several sequences in one row) is not offered: the Megatron Beam attention sees one
@@ -32,16 +36,36 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 
 
 class R3Error(ValueError):
     """Rollout payload that does not fit the model or itself; the message names request and field."""
 
 
-def compact_np_dtype(num_experts: int) -> np.dtype:
-    """uint8 for <= 256 experts, else uint16 (what vLLM's routing capture returns)."""
+def rollout_id_dtype(num_experts: int) -> np.dtype:
+    """Expert-id dtype of a rollout sample: vLLM's routing-capture format, uint8 for <= 256
+    experts, else uint16 (`routed_experts_capturer`)."""
     return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
+
+
+def trainer_id_dtype(num_experts: int) -> torch.dtype:
+    """Expert-id dtype of `TrainerBatch.routed_experts`: the rollout dtype where torch computes
+    with it (uint8), else int32, which holds every uint16 id (torch has no uint16 arithmetic on CPU)."""
+    return torch.uint8 if rollout_id_dtype(num_experts) == np.uint8 else torch.int32
+
+
+def pad_routed_experts(per_sequence: list[torch.Tensor], tokens: int, config: BeamConfig, *, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Stack per-sequence [T_i, L, K] ids into the right-padded batch layout [B, tokens, L, K]
+    (padding rows get experts 0..K-1; padded tokens never influence real ones)."""
+    K, L = config.num_experts_per_tok, config.num_moe_layers
+    out = torch.arange(K, dtype=dtype).expand(len(per_sequence), tokens, L, K).clone()
+    for i, ids in enumerate(per_sequence):
+        ids = torch.as_tensor(ids)
+        if ids.dim() != 3 or ids.shape[1:] != (L, K) or ids.shape[0] > tokens:
+            raise R3Error(f"sequence {i}: routed experts shape {tuple(ids.shape)}; expected [<= {tokens}, {L}, {K}]")
+        out[i, : ids.shape[0]] = ids.to(dtype)
+    return out
 
 
 def _int_array(x, what: str, where: str) -> np.ndarray:
@@ -127,7 +151,7 @@ class RolloutSample:
         r = self.routed_experts
         if not isinstance(r, np.ndarray):
             raise R3Error(f"{where}: routed_experts must be a numpy array; got {type(r).__name__}")
-        want_dtype = compact_np_dtype(config.num_experts)
+        want_dtype = rollout_id_dtype(config.num_experts)
         if r.dtype != want_dtype:
             raise R3Error(
                 f"{where}: routed_experts dtype {r.dtype}; expected compact {want_dtype} for num_experts="
@@ -185,7 +209,7 @@ class TrainerBatch:
     mask: torch.Tensor
     """[B, T - 1] bool: generated-token columns (the ones `sequence_logprobs` marks)."""
     routed_experts: torch.Tensor
-    """[B, T, moe_layers, top_k] compact ids (uint8 for <= 256 experts) for `set_replay`."""
+    """[B, T, moe_layers, top_k] ids in `trainer_id_dtype` (uint8 for <= 256 experts) for the trainer's replay."""
     routed_rows: torch.Tensor = field(repr=False)
     """[B, T] bool: rows the engine actually routed (t < P + G - 1), for routing comparisons."""
 
@@ -221,8 +245,6 @@ class RolloutBatch:
     def to_trainer(self, indices: Sequence[int] | None = None, *, pad_to_multiple: int = 1) -> TrainerBatch:
         """Right-padded trainer micro-batch of the requests `indices` (all by default); the padded
         width is rounded up to `pad_to_multiple` (e.g. the sequence-parallel size)."""
-        from beam_rl.megatron.replay import compact_dtype, pad_routed_experts
-
         indices = tuple(range(len(self.samples))) if indices is None else tuple(int(i) for i in indices)
         if not indices:
             raise R3Error("to_trainer needs at least one request index")
@@ -247,7 +269,7 @@ class RolloutBatch:
         cols = torch.arange(1, T)[None]  # target position of column t
         mask = (cols >= prompt_lengths[:, None]) & (cols < lengths[:, None])
         routed = pad_routed_experts([torch.from_numpy(s.routed_experts) for s in samples], T, self.config,
-                                    dtype=compact_dtype(self.config.num_experts))
+                                    dtype=trainer_id_dtype(self.config.num_experts))
         routed_rows = torch.arange(T)[None] < (lengths - 1)[:, None]
         return TrainerBatch(indices, input_ids, lengths, prompt_lengths, rollout_lp, mask, routed, routed_rows)
 

@@ -1,7 +1,7 @@
 """Fused Triton kernels for Beam (installed as `beam_rl.kernels`).
 
 Each op has a Triton kernel used on CUDA and falls back to its PyTorch reference in
-`beam_rl.numerics` / `beam_rl.routing` elsewhere; both implement the same rounding contract, and the
+`beam_rl.model.numerics` / `beam_rl.model.routing` elsewhere; both implement the same rounding contract, and the
 Triton BF16 outputs are bit-identical to the references run on the same GPU (sums of squares are
 FP64 and so order-free, `numerics.sum_of_squares`; the router's renormalisation follows ATen's CUDA
 summation order, `reduce_order`). Importing this package needs no Triton.

@@ -4,13 +4,13 @@ The first boundary (the embedding's pre-norm) is `rms_norm`; the last passes the
 as `next_norm_weight`; `next_norm_weight=None` stops after the residual add. Each program holds its
 rows in registers or walks them in chunks (see `launch_shape`); every output is written once. Sums of squares follow
 `numerics.sum_of_squares` (FP32 squares, FP64 sum in any order, rounded once), so the BF16 outputs
-equal `beam_rl.numerics` bit for bit.
+equal `beam_rl.model.numerics` bit for bit.
 """
 
 
 import torch
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 
 from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
 

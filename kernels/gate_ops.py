@@ -2,7 +2,7 @@
 
 import torch
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 
 from ._triton_compat import LAUNCH_OPTS, tl, triton, use_triton
 from .exact_math import sigmoid_to_bf16

@@ -8,7 +8,7 @@ once. q/k/v may be strided views of the packed projection output (unit stride in
 
 import torch
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 
 from ._triton_compat import LAUNCH_OPTS, tl, triton, use_triton
 from .boundary_ops import inv_rms, sumsq

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import torch
 
-from beam_rl import routing
+from beam_rl.model import routing
 
 from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
 from .reduce_order import _block_x_tree, _combine4, cuda_sum_config

@@ -26,7 +26,7 @@ def register() -> None:
     from transformers import AutoConfig
     from vllm import ModelRegistry
 
-    from beam_rl.config import BeamConfig
+    from beam_rl.model.config import BeamConfig
 
     choice = os.environ.get(MODEL_ENV, "beam_rl")
     if choice not in ("beam_rl", "upstream"):

@@ -1,7 +1,7 @@
 """Beam attention for vLLM: QKV + gate projections, Q/K norm with RoPE or SSMax, paged attention
 with a per-layer sliding window, sigmoid output gate, output projection.
 
-Numerics: q/k norm, RoPE/SSMax and the output gate follow `beam_rl.numerics` exactly (through
+Numerics: q/k norm, RoPE/SSMax and the output gate follow `beam_rl.model.numerics` exactly (through
 the fused kernels on CUDA); the attention itself is vLLM's backend (FP32-accumulating flash
 attention), a documented difference from the FP64 reference.
 """
@@ -14,7 +14,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 from beam_rl.rollout import ops
 from beam_rl.rollout.linear import lora_enabled, reduce_in_fp32, round_like
 

@@ -1,7 +1,7 @@
 """Beam for vLLM: decoder layers with sandwich norms and depth-scaled residual adds (one fused
 boundary op per sublayer), vocab-parallel embedding, untied LM head, FP32 soft cap.
 
-The layer structure mirrors `beam_rl.modeling` line for line: `residual` is the depth-scaled
+The layer structure mirrors `beam_rl.model.modeling` line for line: `residual` is the depth-scaled
 stream, `x` the normed input of the next sublayer; each boundary computes post-norm, scaled add
 and the next pre-norm (the next layer's input norm, or the final norm after the last layer).
 """
@@ -21,9 +21,9 @@ from vllm.model_executor.models.interfaces import SupportsLoRA
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.sequence import IntermediateTensors
 
-from beam_rl import numerics
-from beam_rl.config import BeamConfig
-from beam_rl.weights import tensor_checksum
+from beam_rl.model import numerics
+from beam_rl.model.config import BeamConfig
+from beam_rl.model.weights import tensor_checksum
 from beam_rl.rollout import ops
 from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
@@ -164,7 +164,7 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """FP32 logits (`beam_rl.numerics.lm_head_logits`): FP32-accumulated LM head, never rounded
+        """FP32 logits (`beam_rl.model.numerics.lm_head_logits`): FP32-accumulated LM head, never rounded
         to BF16, gathered over TP ranks, vocab padding dropped, soft cap in FP32."""
         local = numerics.lm_head_logits(hidden_states, self.lm_head.weight, None)
         if get_tensor_model_parallel_world_size() > 1:

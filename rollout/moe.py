@@ -1,13 +1,13 @@
 """Beam's MoE block for vLLM: FP32 router + grouped sigmoid top-k (ours, exact) feeding the
 experts; and the dense SwiGLU MLP.
 
-Routing is computed by `beam_rl.routing` (the reference; identical ids by construction).
+Routing is computed by `beam_rl.model.routing` (the reference; identical ids by construction).
 - On GPU the experts are vLLM's FusedMoE (Triton grouped GEMMs, TP/EP sharding, LoRA), which
   takes our routing as a custom routing function; vLLM's router base class publishes the ids to
   its routed-experts capturer (R3) exactly as for its own models. Its expert GEMMs and weighted
   combine round differently from the reference (a documented source of difference).
 - On CPU the experts are `CPUExperts`: the reference's arithmetic (BF16 GEMMs per expert, FP32
-  SwiGLU, FP32 combine), bit-identical to `beam_rl.modeling`. vLLM's CPU fused-MoE kernel rounds
+  SwiGLU, FP32 combine), bit-identical to `beam_rl.model.modeling`. vLLM's CPU fused-MoE kernel rounds
   differently and pre-packs its weights only at first load, which breaks in-place weight reload.
   With `enable_expert_parallel=True` each rank holds only its contiguous slice of the experts
   (FusedMoE's linear placement) and the FP32 partial combines are all-reduced before the one
@@ -23,8 +23,8 @@ from torch import nn
 from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from vllm.platforms import current_platform
 
-from beam_rl import numerics
-from beam_rl.config import BeamConfig
+from beam_rl.model import numerics
+from beam_rl.model.config import BeamConfig
 from beam_rl.rollout import ops
 from beam_rl.rollout.capture import RoutingRecorder
 from beam_rl.rollout.compat import make_fused_moe
@@ -112,7 +112,7 @@ class CPUExperts(nn.Module):
     model dtype (`numerics.moe_combine`).
     - Without expert parallelism (`ep_size == 1`) every rank holds all E experts and computes
       exactly the reference's arithmetic (`beam_rl::cpu_experts`): bit-identical to
-      `beam_rl.modeling`, as before.
+      `beam_rl.model.modeling`, as before.
     - With `enable_expert_parallel=True` (TP x EP; see `expert_parallel_layout`) rank r holds the
       contiguous experts [r * E / ep_size, (r + 1) * E / ep_size) (FusedMoE's linear placement;
       any remainder goes to the first ranks), the weight loader skips the others, and forward

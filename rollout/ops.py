@@ -1,5 +1,5 @@
 """Beam's pointwise operations as the vLLM model calls them: the fused Triton kernels of
-`beam_rl.kernels` on CUDA, the `beam_rl.numerics` reference elsewhere (same rounding contract).
+`beam_rl.kernels` on CUDA, the `beam_rl.model.numerics` reference elsewhere (same rounding contract).
 
 `BEAM_RL_FUSED_KERNELS=0` forces the plain PyTorch reference on CUDA too (the benchmark's
 "compiled" and "eager" builds use it). The fused kernels are registered as `beam_rl::*` torch
@@ -13,8 +13,9 @@ import os
 import torch
 from torch import nn
 
-from beam_rl import kernels, numerics, routing
-from beam_rl.config import BeamConfig
+from beam_rl import kernels
+from beam_rl.model import numerics, routing
+from beam_rl.model.config import BeamConfig
 
 _TABLES: dict[tuple, torch.Tensor] = {}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 
 
 def fetch_routed_experts(llm, outputs) -> list[np.ndarray]:

@@ -112,7 +112,7 @@ class BeamWorkerExtension:
         """`tensor_checksum` of every parameter and buffer of the loaded model as it is now (vLLM's
         names, kernel format): equal maps mean bit-identical models, e.g. after an in-place reload
         versus a fresh load of the same checkpoint."""
-        from beam_rl.weights import tensor_checksum
+        from beam_rl.model.weights import tensor_checksum
 
         model = self._beam_model()
         return {name: tensor_checksum(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -131,7 +131,7 @@ class BeamWorkerExtension:
         """Per MoE layer of this rank's CPU experts: (ep_rank, ep_size, first expert, number of local
         experts, checksum of w13, checksum of w2), for checking expert-parallel placement and loading."""
         from beam_rl.rollout.moe import CPUExperts
-        from beam_rl.weights import tensor_checksum
+        from beam_rl.model.weights import tensor_checksum
 
         return {int(name.split(".")[2]): (m.ep_rank, m.ep_size, m.first_expert, m.num_local_experts,
                                           tensor_checksum(m.w13_weight), tensor_checksum(m.w2_weight))

@@ -26,7 +26,7 @@ import time
 import torch
 import triton
 
-from beam_rl import numerics, routing
+from beam_rl.model import numerics, routing
 from beam_rl.kernels import boundary_ops, gate_ops, qk_norm_rope_ops, router_ops, swiglu_ops
 
 DEV = "cuda"

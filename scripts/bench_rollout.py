@@ -56,7 +56,7 @@ MAIN_BUILDS = ("fused", "compiled", "eager")
 def use_fp32_sum_of_squares() -> None:
     """Swap the reference's FP64 sum of squares for an FP32 one in this process (the engine core runs
     here, so the model built next calls it)."""
-    from beam_rl import numerics
+    from beam_rl.model import numerics
 
     numerics.sum_of_squares = lambda xf: (xf * xf).sum(dim=-1, keepdim=True)
 
@@ -94,7 +94,7 @@ def run_build(args) -> dict:
                   v2_model_runner=getattr(cfg, "use_v2_model_runner", None), kv_cache_groups=kv_cache_groups(llm),
                   engine_args=user_args)
     print(f"[{args.build}] engine: {engine}", flush=True)
-    from beam_rl.checkpoint import load_config
+    from beam_rl.model.checkpoint import load_config
 
     vocab = load_config(args.checkpoint).vocab_size
     prompt = [(i * 7919) % vocab for i in range(32)]

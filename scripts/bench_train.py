@@ -18,7 +18,7 @@ import torch
 
 
 def active_params(config) -> int:
-    from beam_rl.weights import checkpoint_tensors
+    from beam_rl.model.weights import checkpoint_tensors
 
     total = 0
     for spec in checkpoint_tensors(config).values():
@@ -45,7 +45,7 @@ def bench(mode: str, args) -> dict:
     from beam_rl.megatron import replay as r3
     from beam_rl.megatron.logprobs import sequence_logprobs
     from beam_rl.megatron.provider import BeamModelProvider
-    from beam_rl.presets import get_preset
+    from beam_rl.model.presets import get_preset
 
     config = get_preset(args.preset)
     base_mode = "bf16" if mode == "lora" else mode

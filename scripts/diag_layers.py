@@ -13,11 +13,11 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from beam_rl.checkpoint import build_model
+from beam_rl.model.modeling import build_model
 from beam_rl.megatron.cpu import init_single_process
 from beam_rl.megatron.logprobs import sequence_logprobs
 from beam_rl.megatron.provider import BeamModelProvider
-from beam_rl.presets import get_preset
+from beam_rl.model.presets import get_preset
 
 _linear, _matmul = F.linear, torch.matmul
 

@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     from safetensors.torch import load_file
     from vllm.lora.request import LoRARequest
 
-    from beam_rl.checkpoint import load_config
+    from beam_rl.model.checkpoint import load_config
 
     opts = gap.GapOptions(preset=args.preset, mode="lora", num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                           seed=args.seed, progress=False)

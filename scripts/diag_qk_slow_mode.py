@@ -25,7 +25,7 @@ import torch
 
 import bench_kernels as bk  # scripts/ is this script's directory, so the benchmark's helpers import
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 from beam_rl.kernels import qk_norm_rope_ops
 
 T = bk.PREFILL

@@ -50,8 +50,8 @@ def reference_deltas(checkpoint, batch, patches=None, attention_probs="exact"):
     import numpy as np
     import torch
 
-    from beam_rl import numerics
-    from beam_rl.checkpoint import load_checkpoint
+    from beam_rl.model import numerics
+    from beam_rl.model.modeling import load_checkpoint
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = load_checkpoint(checkpoint, device=device)
@@ -77,7 +77,7 @@ def reference_deltas(checkpoint, batch, patches=None, attention_probs="exact"):
 
 def main() -> None:
     from beam_rl.gap import GapOptions, default_prompts, gap_stats, recompute, rollout, start_engine, stdout_to_stderr
-    from beam_rl.checkpoint import load_config
+    from beam_rl.model.checkpoint import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group()
@@ -135,7 +135,7 @@ def main() -> None:
 def build_variant(ckpt, config, opts, v):
     import torch
 
-    from beam_rl.checkpoint import read_tensors
+    from beam_rl.model.checkpoint import read_tensors
     from beam_rl.gap import MODES
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.provider import BeamModelProvider

@@ -28,7 +28,7 @@ import time
 
 def write_checkpoint(preset: str, path: str, seed: int) -> None:
     code = (
-        "from beam_rl.checkpoint import build_model, save_checkpoint; from beam_rl.presets import get_preset;"
+        "from beam_rl.model.checkpoint import save_checkpoint; from beam_rl.model.modeling import build_model; from beam_rl.model.presets import get_preset;"
         f"save_checkpoint(build_model(get_preset({preset!r}), seed={seed}), {path!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -38,9 +38,9 @@ def check_reload(llm, ckpt: str, args, config) -> bool:
     """A -> B -> A in place: B's checksums as received equal B's files, B's parameters differ from
     A's, and back on A every parameter and buffer is bit-identical to the fresh load of A
     (`beam_parameter_checksums`)."""
-    from beam_rl.checkpoint import read_tensors
+    from beam_rl.model.checkpoint import read_tensors
     from beam_rl.rollout.reload import reload_weights
-    from beam_rl.weights import tensor_checksum
+    from beam_rl.model.weights import tensor_checksum
 
     other = os.path.join(args.out, f"{args.preset}-seed1")
     if not os.path.exists(os.path.join(other, "config.json")):
@@ -87,7 +87,7 @@ def main() -> int:
     import torch
     from vllm import LLM, SamplingParams
 
-    from beam_rl.checkpoint import load_config
+    from beam_rl.model.checkpoint import load_config
     from beam_rl.rollout.routing import fetch_captured_routing, moe_layers
 
     config = load_config(ckpt)
@@ -109,7 +109,7 @@ def main() -> int:
     del llm
     torch.cuda.empty_cache()
 
-    from beam_rl.checkpoint import load_checkpoint
+    from beam_rl.model.modeling import load_checkpoint
 
     ref = load_checkpoint(ckpt, device="cuda")
     report = {"capture_paths_identical": bool(same_capture), "reload_a_b_a_identical": reload_ok,

@@ -57,9 +57,10 @@ def main(argv=None) -> None:
     ap.add_argument("--max-prompt-len", type=int, default=256)
     args = ap.parse_args(argv)
 
-    from beam_rl.checkpoint import build_model, save_checkpoint
+    from beam_rl.model.checkpoint import save_checkpoint
+    from beam_rl.model.modeling import build_model
     from beam_rl.dapo.policy import Policy
-    from beam_rl.presets import get_preset
+    from beam_rl.model.presets import get_preset
 
     config = get_preset(args.preset)
     if config.vocab_size < 256:

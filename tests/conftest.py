@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from beam_rl.checkpoint import build_model, save_checkpoint
-from beam_rl.presets import get_preset
+from beam_rl.model.checkpoint import save_checkpoint
+from beam_rl.model.modeling import build_model
+from beam_rl.model.presets import get_preset
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from beam_rl import get_preset
-from beam_rl.checkpoint import CheckpointError, build_model, load_checkpoint, save_checkpoint
-from beam_rl.modeling import BeamForCausalLM
-from beam_rl.weights import checkpoint_tensors
+from beam_rl.model import get_preset
+from beam_rl.model.checkpoint import CheckpointError, save_checkpoint
+from beam_rl.model.modeling import build_model, load_checkpoint
+from beam_rl.model.modeling import BeamForCausalLM
+from beam_rl.model.weights import checkpoint_tensors
 
 
 def assert_same_state(a, b):
@@ -59,7 +60,7 @@ def test_sharded_roundtrip(tiny_model, tmp_path):
 def test_auto_model_loads_strictly(tiny_model, tiny_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    from beam_rl.config import register_auto
+    from beam_rl.model.modeling import register_auto
 
     register_auto()
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)

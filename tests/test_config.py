@@ -3,9 +3,9 @@ import json
 import pytest
 from transformers import AutoConfig
 
-from beam_rl import BeamConfig, BeamConfigError, get_preset
-from beam_rl.config import register_auto
-from beam_rl.presets import PRESETS
+from beam_rl.model import BeamConfig, BeamConfigError, get_preset
+from beam_rl.model.modeling import register_auto
+from beam_rl.model.presets import PRESETS
 
 RELEASED_KEYS = {
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import beam_rl.kernels as K
-from beam_rl import numerics, routing
+from beam_rl.model import numerics, routing
 from beam_rl.kernels.reduce_order import cuda_order_sum, cuda_sum_config
 
 EPS = 1e-6
@@ -97,7 +97,7 @@ def run_interpreted(script: str, done: str) -> None:
 
 _INTERPRETED_NORMS = textwrap.dedent("""
     import torch
-    from beam_rl import numerics
+    from beam_rl.model import numerics
     from beam_rl.kernels import boundary_ops as B, qk_norm_rope_ops as Q
 
     torch.manual_seed(0)
@@ -139,14 +139,14 @@ _INTERPRETED_NORMS = textwrap.dedent("""
 
 def test_norm_kernels_interpreted_compute_the_reference_arithmetic():
     """rms_norm, the boundary (several launch shapes) and Q/K norm + RoPE/SSMax under TRITON_INTERPRET=1
-    equal `beam_rl.numerics` bit for bit with FP32 activations (the arithmetic: FP32 squares, FP64 sums,
+    equal `beam_rl.model.numerics` bit for bit with FP32 activations (the arithmetic: FP32 squares, FP64 sums,
     FP32 scale, rsqrt and products). The BF16 rounding points are checked on the GPU, because the
     interpreter rounds FP32 -> BF16 towards zero."""
     run_interpreted(_INTERPRETED_NORMS, "norms interpreted ok")
 
 _INTERPRETED_ROUTER = textwrap.dedent("""
     import torch
-    from beam_rl import routing
+    from beam_rl.model import routing
     from beam_rl.kernels import router_ops as R
 
     torch.manual_seed(0)

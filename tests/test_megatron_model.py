@@ -8,11 +8,12 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from beam_rl.checkpoint import build_model  # noqa: E402
+from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.megatron import replay as r3  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
+from beam_rl.r3 import pad_routed_experts  # noqa: E402
 
 B, T = 2, 40  # T > sliding_window (16): the window is exercised
 
@@ -177,7 +178,7 @@ def test_padded_batch_logprobs_and_temperature(meg_fp32, ref_fp32, tiny_config):
     ids[1, 19:] = 0
     with torch.no_grad():
         refs = [ref_fp32(ids[i : i + 1, : lengths[i]]) for i in range(2)]
-        routed = r3.pad_routed_experts([r.routed_experts[0] for r in refs], 30, tiny_config)
+        routed = pad_routed_experts([r.routed_experts[0] for r in refs], 30, tiny_config)
         for replayed in (None, routed):
             lp, mask = sequence_logprobs(meg_fp32, ids, config=tiny_config, lengths=lengths, prompt_lengths=prompts, routed_experts=replayed)
             r3.clear_replay(meg_fp32)
@@ -216,13 +217,3 @@ def test_bad_replay_input_errors(meg_fp32, tiny_config, change, field):
 def test_router_fusion_with_replay_refused(megatron_world, tiny_config):
     with pytest.raises(ValueError, match="moe_router_fusion"):
         BeamModelProvider(tiny_config, mode="fp32", overrides={"moe_router_fusion": True}).provide()
-
-
-def test_from_vllm_drops_dense_rows_by_type(tiny_config):
-    L, K = tiny_config.num_hidden_layers, tiny_config.num_experts_per_tok
-    routed = torch.randint(0, 16, (9, L, K), dtype=torch.uint8).numpy()
-    out = r3.from_vllm(routed, tiny_config, num_tokens=10)
-    assert out.shape == (10, tiny_config.num_moe_layers, K) and out.dtype == torch.int64
-    assert torch.equal(out[:9], torch.as_tensor(routed).long()[:, tiny_config.moe_layer_ids])
-    with pytest.raises(r3.ReplayError, match="token rows"):
-        r3.from_vllm(routed, tiny_config, num_tokens=12)

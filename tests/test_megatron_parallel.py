@@ -28,13 +28,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from beam_rl.checkpoint import build_model  # noqa: E402
+from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.megatron import replay as r3  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
-from beam_rl.presets import get_preset  # noqa: E402
-from beam_rl.weights import checkpoint_tensors  # noqa: E402
+from beam_rl.model.presets import get_preset  # noqa: E402
+from beam_rl.model.weights import checkpoint_tensors  # noqa: E402
 
 B, T = 2, 40  # T > sliding_window (16); divisible by 2 for sequence parallelism
 LENGTHS, PROMPTS = torch.tensor([40, 29]), torch.tensor([1, 5])  # row 1 right-padded

@@ -8,14 +8,15 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from beam_rl.checkpoint import build_model  # noqa: E402
+from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.megatron import lora  # noqa: E402
-from beam_rl.megatron.convert import MAPPINGS, Layout, export_hf, hf_to_megatron, mapping_for, shard, unshard  # noqa: E402
+from beam_rl.megatron.convert import Layout, export_hf, hf_to_megatron, shard, unshard  # noqa: E402
+from beam_rl.model.names import MAPPINGS, mapping_for  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
 from beam_rl.megatron.mxfp8 import mxfp8_fake_quant, mxfp8_linear_classes, mxfp8_quantize  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
-from beam_rl.weights import checkpoint_tensors  # noqa: E402
+from beam_rl.model.weights import checkpoint_tensors  # noqa: E402
 
 
 @pytest.fixture(scope="module")

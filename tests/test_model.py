@@ -4,7 +4,7 @@ and parity with transformers' own Beam implementation."""
 import pytest
 import torch
 
-from beam_rl.checkpoint import build_model
+from beam_rl.model.modeling import build_model
 
 
 def tokens(config, batch, length, seed=0):
@@ -91,7 +91,7 @@ def test_fresh_model_residual_stream_has_unit_variance(tiny_config):
 def test_matches_transformers_upstream_beam_in_fp32(tiny_config, tmp_path):
     """Independent check of the architecture: transformers ships its own Beam (5.2x+)."""
     upstream = pytest.importorskip("transformers.models.beam.modeling_beam", reason="this transformers has no Beam")
-    from beam_rl.checkpoint import save_checkpoint
+    from beam_rl.model.checkpoint import save_checkpoint
 
     model = build_model(tiny_config, seed=1, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 
 
 def bf16(x: np.ndarray) -> np.ndarray:

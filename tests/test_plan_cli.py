@@ -4,8 +4,8 @@ import json
 
 import torch
 
-from beam_rl import get_preset
-from beam_rl.checkpoint import build_model
+from beam_rl.model import get_preset
+from beam_rl.model.modeling import build_model
 from beam_rl.cli import main
 from beam_rl.plan import count_params, make_plan
 

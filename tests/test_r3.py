@@ -88,11 +88,38 @@ def test_validation_names_request_and_field(tiny_config, make, message):
 
 
 def test_uint16_for_more_than_256_experts(tiny_config):
-    from beam_rl.megatron.replay import compact_dtype
-    from beam_rl.r3 import compact_np_dtype
+    from beam_rl.r3 import rollout_id_dtype, trainer_id_dtype
 
-    assert compact_np_dtype(256) == np.uint8 and compact_np_dtype(257) == np.uint16
-    assert compact_dtype(256) == torch.uint8
+    assert rollout_id_dtype(256) == np.uint8 and rollout_id_dtype(257) == np.uint16
+    assert trainer_id_dtype(256) == torch.uint8 and trainer_id_dtype(257) == torch.int32
+
+
+def test_trainer_batch_keeps_ids_above_255(tiny_config):
+    """Above 256 experts the rollout ids are uint16 and the trainer batch holds them unchanged."""
+    cfg = tiny_config.__class__(**{**tiny_config.to_dict(), "num_experts": 512, "n_group": 4, "topk_group": 2})
+    L, K = cfg.num_moe_layers, cfg.num_experts_per_tok
+    routed = np.stack([np.arange(K, dtype=np.uint16) + 500 - 7 * t for t in range(4)])[:, None].repeat(L, 1)
+    sample = RolloutSample(np.array([1, 2, 3]), np.array([4, 5]), np.array([-0.5, -0.25], np.float32), routed)
+    batch = RolloutBatch((sample,), cfg).to_trainer()
+    assert batch.routed_experts.dtype == torch.int32
+    assert torch.equal(batch.routed_experts[0, :4], torch.from_numpy(routed.astype(np.int32)))
+
+
+def test_from_vllm_drops_dense_rows_by_type(tiny_config):
+    """vLLM's all-layer routing array loses its dense-layer rows by layer type, never by value."""
+    from types import SimpleNamespace
+
+    L, K = tiny_config.num_hidden_layers, tiny_config.num_experts_per_tok
+    routed = np.stack([np.random.default_rng(t).permutation(tiny_config.num_experts)[:K] for t in range(9 * L)])
+    routed = routed.reshape(9, L, K).astype(np.uint8)
+    out_ids = [7, 8, 9, 10]
+    completion = SimpleNamespace(token_ids=out_ids, logprobs=[{t: SimpleNamespace(logprob=-1.0)} for t in out_ids])
+    output = SimpleNamespace(prompt_token_ids=[1, 2, 3, 4, 5, 6], outputs=[completion])
+    sample = RolloutSample.from_vllm(output, routed, tiny_config)
+    assert np.array_equal(sample.routed_experts, routed[:, tiny_config.moe_layer_ids])
+    sample.validate(tiny_config)
+    with pytest.raises(R3Error, match="num_hidden_layers"):
+        RolloutSample.from_vllm(output, routed[:, 1:], tiny_config)
 
 
 def test_replayed_trainer_batch_reproduces_rollout_logprobs(tiny_config):
@@ -100,7 +127,7 @@ def test_replayed_trainer_batch_reproduces_rollout_logprobs(tiny_config):
     FP32 Megatron model fed `to_trainer()`'s batch with R3: identical up to FP32 rounding, for
     variable-length prompts and outputs in one padded batch."""
     pytest.importorskip("megatron.core")
-    from beam_rl.checkpoint import build_model
+    from beam_rl.model.modeling import build_model
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.logprobs import sequence_logprobs
     from beam_rl.megatron.provider import BeamModelProvider

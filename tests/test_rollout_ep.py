@@ -17,9 +17,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 from vllm import LLM  # noqa: E402
 
-from beam_rl.checkpoint import build_model, read_tensors, save_checkpoint  # noqa: E402
+from beam_rl.model.checkpoint import read_tensors, save_checkpoint  # noqa: E402
+from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.rollout.routing import moe_layers  # noqa: E402
-from beam_rl.weights import tensor_checksum  # noqa: E402
+from beam_rl.model.weights import tensor_checksum  # noqa: E402
 from test_rollout_vllm import greedy, prompts, reference_logprobs, sampled_logprobs  # noqa: E402
 
 

@@ -20,11 +20,12 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; else vl
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process did torch work: don't fork
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from beam_rl import numerics  # noqa: E402
-from beam_rl.checkpoint import build_model, load_checkpoint, read_tensors, save_checkpoint  # noqa: E402
+from beam_rl.model import numerics  # noqa: E402
+from beam_rl.model.checkpoint import read_tensors, save_checkpoint  # noqa: E402
+from beam_rl.model.modeling import build_model, load_checkpoint  # noqa: E402
 from beam_rl.rollout.routing import fetch_routed_experts, moe_layers  # noqa: E402
 from beam_rl.rollout.worker import engine_attention_isa  # noqa: E402
-from beam_rl.weights import tensor_checksum  # noqa: E402
+from beam_rl.model.weights import tensor_checksum  # noqa: E402
 
 
 def prompts(n=4, vocab=512, seed=0):

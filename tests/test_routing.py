@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from beam_rl.routing import gate_weights, replay_experts, router_logits, select_experts
+from beam_rl.model.routing import gate_weights, replay_experts, router_logits, select_experts
 
 
 def loop_route(logits, bias, top_k, n_group, topk_group, scale):

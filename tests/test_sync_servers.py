@@ -22,12 +22,13 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is not installed")
 httpx = pytest.importorskip("httpx")
 
-from beam_rl.checkpoint import build_model, save_checkpoint  # noqa: E402
+from beam_rl.model.checkpoint import save_checkpoint  # noqa: E402
+from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.cli import main  # noqa: E402
 from beam_rl.megatron.convert import hf_to_megatron  # noqa: E402
 from beam_rl.sync.run import sync_servers  # noqa: E402
 from beam_rl.sync.sources import full_update, megatron_update  # noqa: E402
-from beam_rl.weights import checkpoint_tensors  # noqa: E402
+from beam_rl.model.weights import checkpoint_tensors  # noqa: E402
 from tiny_tokenizer import write_tokenizer  # noqa: E402
 
 PROMPTS = [[(7 * i + 3 * j) % 500 + 5 for j in range(12)] for i in range(3)]

@@ -35,7 +35,7 @@ def set_rng_state(state: dict) -> None:
 
 def save(run_dir: Path, step: int, hf_tensors: dict[str, torch.Tensor], config, trainer_state: dict) -> Path:
     """Write checkpoint `step` atomically; returns its directory."""
-    from beam_rl.checkpoint import atomic_directory
+    from beam_rl.model.checkpoint import atomic_directory
 
     final = checkpoint_dir(run_dir, step)
     with atomic_directory(final) as tmp:

@@ -38,7 +38,7 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     preset: str = "beam-tiny"
-    """A `beam_rl.presets` name; the vocabulary must hold the task tokenizer."""
+    """A `beam_rl.model.presets` name; the vocabulary must hold the task tokenizer."""
     init_seed: int = 0
     """Seed of the random initial weights (ignored with `checkpoint`)."""
     checkpoint: str | None = None
@@ -188,7 +188,7 @@ class Recipe:
     """The Megatron trainer."""
 
     def validate(self) -> "Recipe":
-        from beam_rl.presets import PRESETS
+        from beam_rl.model.presets import PRESETS
 
         def need(ok: bool, key: str, msg: str) -> None:
             if not ok:

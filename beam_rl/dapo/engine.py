@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from beam_rl.weights import tensor_checksum
+from beam_rl.model.weights import tensor_checksum
 
 
 class SyncError(RuntimeError):
@@ -90,7 +90,7 @@ def generate(llm, prompts: list[list[int]], seeds: list[int], *, max_tokens: int
 
 def write_weights(tensors: dict[str, torch.Tensor], path: Path, config) -> dict[str, str]:
     """Atomically write HF-named safetensors + config.json to `path`; returns checksums of what was written."""
-    from beam_rl.checkpoint import atomic_directory
+    from beam_rl.model.checkpoint import atomic_directory
 
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     with atomic_directory(path) as tmp:

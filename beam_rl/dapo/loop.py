@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from beam_rl.checkpoint import build_model, load_checkpoint, read_tensors
+from beam_rl.model.checkpoint import read_tensors
+from beam_rl.model.modeling import build_model, load_checkpoint
 from beam_rl.dapo import checkpointing, engine
 from beam_rl.dapo.advantages import compute_advantages
 from beam_rl.dapo.config import Recipe, recipe_to_dict
@@ -29,7 +30,7 @@ from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
 from beam_rl.dapo.policy import Policy
 from beam_rl.dapo.sampling import DynamicSampler
 from beam_rl.dapo.warmstart import warm_start
-from beam_rl.presets import get_preset
+from beam_rl.model.presets import get_preset
 from beam_rl.r3 import RolloutBatch
 from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, ArithmeticTask, Tokenizer, integer_reward
 

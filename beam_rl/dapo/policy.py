@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 from beam_rl.dapo.loss import LossSettings, policy_loss
 from beam_rl.megatron import replay as r3
 from beam_rl.megatron.logprobs import sequence_logprobs

@@ -5,7 +5,7 @@ SSMax layers, chosen from Megatron's native `window_size` / `window_attn_skip_fr
 `no_rope_freq`; per-head Q/K RMSNorm (`qk_layernorm`, one weight over head_dim); Beam's per-head
 sigmoid output gate with a bias (its own projection; Megatron's `attention_output_gate` has no bias).
 
-Numerics (beam_rl.numerics): Q/K norm rounded after the weight multiply, RoPE (neox) or SSMax in
+Numerics (beam_rl.model.numerics): Q/K norm rounded after the weight multiply, RoPE (neox) or SSMax in
 FP32 rounded once (`qk_norm_rope_ssmax`, FP32 tables from `rope_cos_sin_cache` /
 `ssmax_scale_cache`); attention scores, softmax and the weighted sum in FP32 (`attention_dtype=
 "fp32"`, the default; the reference uses FP64, a documented reduction-order difference), or BF16
@@ -33,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import is_layer_window_attention
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 
 ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs")
 

@@ -1,9 +1,9 @@
 """HF <-> Megatron weights for Beam: a declarative name table, TP/EP shard functions, loading and
 a streaming HF-named export for weight sync.
 
-Names come from `beam_rl.weights.checkpoint_tensors` (the released HF names); each row of
-`MAPPINGS` maps HF name pattern(s) to one Megatron parameter with `{layer}` / `{expert}` wildcards
-and says how it is sharded:
+Names come from `beam_rl.model.weights.checkpoint_tensors` (the released HF names); each row of
+`beam_rl.model.names.MAPPINGS` maps HF name pattern(s) to one Megatron parameter with `{layer}` /
+`{expert}` wildcards and says how it is sharded:
 
 - `replicated`: norms, Q/K norm weights, router weight and expert bias (FP32);
 - `column`: split dim 0 over TP (q/k/v/gate projections, gate bias per head, vocab rows of the
@@ -23,71 +23,14 @@ exact (router tensors stay FP32).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator
 
 import torch
 
-from beam_rl.config import BeamConfig
-from beam_rl.weights import checkpoint_tensors
-
-
-@dataclass(frozen=True)
-class Mapping:
-    hf: tuple[str, ...]
-    megatron: str
-    shard: str  # replicated | column | row | glu
-
-
-_L = "model.layers.{layer}."
-_M = "decoder.layers.{layer}."
-_E = "mlp.experts.{expert}."
-_ME = "mlp.experts.local_experts.{expert}."
-MAPPINGS: tuple[Mapping, ...] = (
-    Mapping(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "column"),
-    Mapping(("model.norm.weight",), "decoder.final_layernorm.weight", "replicated"),
-    Mapping(("lm_head.weight",), "output_layer.weight", "column"),
-    Mapping((_L + "input_layernorm.weight",), _M + "input_layernorm.weight", "replicated"),
-    Mapping((_L + "post_attention_layernorm.weight",), _M + "post_self_attn_layernorm.weight", "replicated"),
-    Mapping((_L + "pre_feedforward_layernorm.weight",), _M + "pre_mlp_layernorm.weight", "replicated"),
-    Mapping((_L + "post_feedforward_layernorm.weight",), _M + "post_mlp_layernorm.weight", "replicated"),
-    Mapping((_L + "self_attn.q_proj.weight",), _M + "self_attention.linear_q.weight", "column"),
-    Mapping((_L + "self_attn.k_proj.weight",), _M + "self_attention.linear_k.weight", "column"),
-    Mapping((_L + "self_attn.v_proj.weight",), _M + "self_attention.linear_v.weight", "column"),
-    Mapping((_L + "self_attn.gate_proj.weight",), _M + "self_attention.linear_gate.weight", "column"),
-    Mapping((_L + "self_attn.gate_bias",), _M + "self_attention.gate_bias", "column"),
-    Mapping((_L + "self_attn.o_proj.weight",), _M + "self_attention.linear_proj.weight", "row"),
-    Mapping((_L + "self_attn.q_norm.weight",), _M + "self_attention.q_layernorm.weight", "replicated"),
-    Mapping((_L + "self_attn.k_norm.weight",), _M + "self_attention.k_layernorm.weight", "replicated"),
-    Mapping((_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), _M + "mlp.linear_fc1.weight", "glu"),
-    Mapping((_L + "mlp.down_proj.weight",), _M + "mlp.linear_fc2.weight", "row"),
-    Mapping((_L + "mlp.gate.weight",), _M + "mlp.router.weight", "replicated"),
-    Mapping((_L + "mlp.gate.e_score_correction_bias",), _M + "mlp.router.expert_bias", "replicated"),
-    Mapping((_L + _E + "gate_proj.weight", _L + _E + "up_proj.weight"), _M + _ME + "linear_fc1.weight", "glu"),
-    Mapping((_L + _E + "down_proj.weight",), _M + _ME + "linear_fc2.weight", "row"),
-)
-_BY_HF = {pattern: m for m in MAPPINGS for pattern in m.hf}
-_NUM = re.compile(r"(layers|experts)\.(\d+)\.")
-
-
-def hf_pattern(name: str) -> tuple[str, dict[str, int]]:
-    """'model.layers.3.mlp.experts.7.up_proj.weight' -> ('model.layers.{layer}.mlp.experts.{expert}.up_proj.weight', {layer: 3, expert: 7})."""
-    idx: dict[str, int] = {}
-
-    def sub(m: re.Match) -> str:
-        key = "layer" if m.group(1) == "layers" else "expert"
-        idx[key] = int(m.group(2))
-        return f"{m.group(1)}.{{{key}}}."
-
-    return _NUM.sub(sub, name), idx
-
-
-def mapping_for(hf_name: str) -> tuple[Mapping, dict[str, int]]:
-    pattern, idx = hf_pattern(hf_name)
-    if pattern not in _BY_HF:
-        raise KeyError(f"no Megatron mapping for HF tensor {hf_name!r} (pattern {pattern!r}); add a row to MAPPINGS")
-    return _BY_HF[pattern], idx
+from beam_rl.model.config import BeamConfig
+from beam_rl.model.names import mapping_for
+from beam_rl.model.weights import checkpoint_tensors
 
 
 # -- shard functions: pure tensor ops ------------------------------------------------------------

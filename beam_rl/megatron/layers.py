@@ -6,7 +6,7 @@ is n = 2L and the MLP add n = 2L + 1 on every pipeline stage:
 
     x = prenorm(h); h, x = boundary(attn(x), h, n=2L); h, _ = boundary(mlp(x), h, n=2L+1)
 
-where `boundary` is `beam_rl.numerics.sublayer_boundary` (post-norm, round(y * x_scale) +
+where `boundary` is `beam_rl.model.numerics.sublayer_boundary` (post-norm, round(y * x_scale) +
 round(h * r_scale), rounded). Dropout is not part of Beam (hidden_dropout must be 0).
 
 `BeamGPTModel` (a `GPTModel`, position_embedding_type="none"): hands the position ids to the
@@ -27,7 +27,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Batch layout: right-padded `input_ids` [B, T] with `lengths` [B] (real tokens per row) and
 `prompt_lengths` [B]; positions are 0..T-1 per row (padding sits after every real token, so causal
 attention keeps it out of real tokens; it is masked from MoE bookkeeping with `padding_mask`).
-Replayed ids use the same layout, [B, T, moe_layers, top_k] (`replay.pad_routed_experts`).
+Replayed ids use the same layout, [B, T, moe_layers, top_k] (`beam_rl.r3.pad_routed_experts`).
 
 logprob[b, t] = log p(input_ids[b, t + 1] | input_ids[b, :t + 1]) for t + 1 in
 [prompt_length, length) (mask true there). Temperature, as vLLM applies it:
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 from beam_rl.megatron import replay as r3
 
 MODES = ("raw", "processed")

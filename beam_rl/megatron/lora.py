@@ -27,8 +27,8 @@ full-weight path (`merged_hf_deltas` / `export_merged`) is a different definitio
 the weight, rounded once) used only when the adapter is merged into the served weights.
 Tensor parallelism: TP1 only (raises otherwise).
 
-PEFT names: `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight` [out, r];
-HF module names come from `convert.MAPPINGS` (one table for weights and adapters).
+PEFT names and HF module names come from `beam_rl.model.names` (`peft_key`, `LORA_MODULES`: one
+table for weights and adapters).
 """
 
 from __future__ import annotations
@@ -41,16 +41,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from beam_rl.config import BeamConfig
-from beam_rl.megatron.convert import MAPPINGS
+from beam_rl.model.config import BeamConfig
+from beam_rl.model.names import LORA_MODULES, PEFT_CONFIG, PEFT_WEIGHTS, peft_key
 
 # Megatron module patterns (per layer) that get adapters, with their PEFT / HF module pattern(s).
 DEFAULT_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_gate", "linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
-_LORA_TABLE = {
-    m.megatron[: -len(".weight")]: tuple(h[: -len(".weight")] for h in m.hf)
-    for m in MAPPINGS
-    if m.shard in ("column", "row", "glu") and "{expert}" not in m.megatron and "{layer}" in m.megatron
-}
 
 
 class LoRAAdapter(torch.nn.Module):
@@ -111,7 +106,7 @@ def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module
         if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
             continue
         pattern = ".".join(["decoder", "layers", "{layer}"] + parts[3:])
-        if pattern in _LORA_TABLE and any(pattern.endswith(t) for t in targets):
+        if pattern in LORA_MODULES and any(pattern.endswith(t) for t in targets):
             found.append((name, module, pattern))
     return found
 
@@ -122,14 +117,14 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
     inner = getattr(model, "module", model)
     if inner.config.tensor_model_parallel_size != 1:
         raise NotImplementedError("LoRA on the Megatron Beam model supports tensor_model_parallel_size=1 only")
-    bad = [t for t in targets if not any(p.endswith(t) for p in _LORA_TABLE)]
+    bad = [t for t in targets if not any(p.endswith(t) for p in LORA_MODULES)]
     if bad:
         raise ValueError(f"unknown LoRA targets {bad}; choose from {DEFAULT_TARGETS}")
     for p in inner.parameters():
         p.requires_grad_(False)
     names = []
     for name, module, pattern in _targets(inner, targets):
-        n_out = len(_LORA_TABLE[pattern])
+        n_out = len(LORA_MODULES[pattern])
         out_features = module.weight.shape[0]
         module.lora = LoRAAdapter(module.weight.shape[1], (out_features // n_out,) * n_out, r, alpha).to(module.weight.device)
         module.register_forward_hook(_lora_hook)
@@ -137,7 +132,7 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
     return names
 
 
-def _peft_items(model: torch.nn.Module, layer_offset: int = 0):
+def peft_items(model: torch.nn.Module, layer_offset: int = 0):
     inner = getattr(model, "module", model)
     for name, module in inner.named_modules():
         if not hasattr(module, "lora"):
@@ -145,7 +140,7 @@ def _peft_items(model: torch.nn.Module, layer_offset: int = 0):
         parts = name.split(".")
         pattern = ".".join(["decoder", "layers", "{layer}"] + parts[3:])
         layer = int(parts[2]) + layer_offset
-        for hf, a, b in zip(_LORA_TABLE[pattern], module.lora.A, module.lora.B):
+        for hf, a, b in zip(LORA_MODULES[pattern], module.lora.A, module.lora.B):
             yield hf.format(layer=layer), module.lora.scaling, a, b
 
 
@@ -155,13 +150,13 @@ def save_peft_adapter(model: torch.nn.Module, path: str | os.PathLike, config: B
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors, modules = {}, []
-    for hf, _, a, b in _peft_items(model):
-        tensors[f"base_model.model.{hf}.lora_A.weight"] = a.detach().float().contiguous().cpu()
-        tensors[f"base_model.model.{hf}.lora_B.weight"] = b.detach().float().contiguous().cpu()
+    for hf, _, a, b in peft_items(model):
+        tensors[peft_key(hf, "A")] = a.detach().float().contiguous().cpu()
+        tensors[peft_key(hf, "B")] = b.detach().float().contiguous().cpu()
         modules.append(hf)
     if not modules:
         raise ValueError("the model has no LoRA adapters; call add_lora first")
-    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, path / PEFT_WEIGHTS, metadata={"format": "pt"})
     adapter_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha, "lora_dropout": 0.0,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
@@ -169,23 +164,23 @@ def save_peft_adapter(model: torch.nn.Module, path: str | os.PathLike, config: B
         # Full module names: "gate_proj" alone would also match the MoE experts' gate_proj.
         "target_modules": sorted(modules), "base_model_name_or_path": base_model_name_or_path,
     }
-    (path / "adapter_config.json").write_text(json.dumps(adapter_config, indent=1))
+    (path / PEFT_CONFIG).write_text(json.dumps(adapter_config, indent=1))
     return path
 
 
 def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Copy a saved PEFT adapter back into a model that already has matching adapters."""
-    tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+    tensors = load_file(str(Path(path) / PEFT_WEIGHTS))
     with torch.no_grad():
-        for hf, _, a, b in _peft_items(model):
-            a.copy_(tensors[f"base_model.model.{hf}.lora_A.weight"])
-            b.copy_(tensors[f"base_model.model.{hf}.lora_B.weight"])
+        for hf, _, a, b in peft_items(model):
+            a.copy_(tensors[peft_key(hf, "A")])
+            b.copy_(tensors[peft_key(hf, "B")])
 
 
 @torch.no_grad()
 def merged_hf_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """FP32 scaling * B @ A per HF weight name, to add to the exported base weights (full-weight sync)."""
-    return {f"{hf}.weight": scaling * (b.float() @ a.float()) for hf, scaling, a, b in _peft_items(model)}
+    return {f"{hf}.weight": scaling * (b.float() @ a.float()) for hf, scaling, a, b in peft_items(model)}
 
 
 def export_merged(items, model: torch.nn.Module):

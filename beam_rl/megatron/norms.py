@@ -1,6 +1,6 @@
 """Beam's pointwise modules for the Megatron layer spec: RMSNorm and the SwiGLU activation.
 
-Numerics (beam_rl.numerics): RMSNorm computes x * rsqrt(mean(x^2) + eps) * w in FP32 and rounds
+Numerics (beam_rl.model.numerics): RMSNorm computes x * rsqrt(mean(x^2) + eps) * w in FP32 and rounds
 once after the weight multiply; SwiGLU computes silu(gate) * up in FP32 and rounds only the
 product. Megatron's own local norms / `glu` round at other points, so the spec uses these.
 """
@@ -11,7 +11,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from beam_rl import numerics
+from beam_rl.model import numerics
 
 
 class BeamRMSNorm(MegatronModule):

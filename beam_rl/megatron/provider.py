@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 from beam_rl.megatron.layer_spec import beam_block_spec
 from beam_rl.megatron.layers import BeamGPTModel
 

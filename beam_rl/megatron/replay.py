@@ -1,7 +1,7 @@
 """R3 (Rollout Routing Replay) on Megatron-Core's `RouterReplay`.
 
 Expert ids come batch-first, `[batch, tokens, moe_layers, top_k]` (the reference model's
-`.routed_experts`; vLLM's per-request arrays via `from_vllm`), any integer dtype (vLLM: uint8).
+`.routed_experts`; rollouts via `beam_rl.r3.RolloutBatch.to_trainer`), any integer dtype.
 Megatron's routers see tokens sequence-major, `[s * b]` (hidden states are [s, b, h]), and with
 sequence parallelism only this TP rank's slice of s; `to_router_order` produces exactly that, per
 MoE layer of this pipeline stage (each router's global layer number picks its row). The replayed
@@ -21,7 +21,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 
 
 class ReplayError(ValueError):
@@ -128,45 +128,3 @@ def clear_replay(model: torch.nn.Module) -> None:
             continue
         router.router_replay.clear_indices()
         router.router_replay.clear_router_replay_action()
-
-
-def compact_dtype(num_experts: int) -> torch.dtype:
-    """The narrowest dtype holding every expert id: uint8 for <= 256 experts (vLLM's), else int16/int32."""
-    if num_experts <= 256:
-        return torch.uint8
-    return torch.int16 if num_experts <= 1 << 15 else torch.int32
-
-
-def from_vllm(routed: np.ndarray | torch.Tensor, config: BeamConfig, num_tokens: int) -> torch.Tensor:
-    """vLLM's per-request `routed_experts` [prompt + generated - 1, num_hidden_layers, top_k]
-    (uint8) -> [num_tokens, moe_layers, top_k] int64 for a sequence of `num_tokens` tokens.
-
-    Dense-layer rows are dropped by layer type (never by value). vLLM records routing for every
-    token it fed forward, i.e. all but the last one; the last token's row is filled with experts
-    0..top_k-1: its output predicts nothing inside the sequence, so the choice cannot change a
-    log-prob of the sequence's tokens."""
-    t = torch.as_tensor(np.asarray(routed)).long()
-    if t.dim() != 3 or t.shape[1] != config.num_hidden_layers or t.shape[2] != config.num_experts_per_tok:
-        raise ReplayError(
-            f"vLLM routed_experts shape {tuple(t.shape)}; expected [tokens - 1, num_hidden_layers={config.num_hidden_layers}, "
-            f"top_k={config.num_experts_per_tok}]"
-        )
-    if t.shape[0] != num_tokens - 1:
-        raise ReplayError(f"vLLM routed_experts has {t.shape[0]} token rows; a {num_tokens}-token sequence needs {num_tokens - 1}")
-    t = t[:, config.moe_layer_ids]
-    last = torch.arange(config.num_experts_per_tok).expand(1, config.num_moe_layers, -1)
-    return torch.cat([t, last], dim=0)
-
-
-def pad_routed_experts(per_sequence: list[torch.Tensor], tokens: int, config: BeamConfig, *, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Stack per-sequence [T_i, L, K] ids into the right-padded batch layout [B, tokens, L, K]
-    (padding rows get experts 0..K-1; padded tokens never influence real ones). `dtype`:
-    `compact_dtype(num_experts)` keeps rollout ids compact up to `set_replay`."""
-    K, L = config.num_experts_per_tok, config.num_moe_layers
-    out = torch.arange(K, dtype=dtype).expand(len(per_sequence), tokens, L, K).clone()
-    for i, ids in enumerate(per_sequence):
-        ids = torch.as_tensor(ids)
-        if ids.dim() != 3 or ids.shape[1:] != (L, K) or ids.shape[0] > tokens:
-            raise ReplayError(f"sequence {i}: routed experts shape {tuple(ids.shape)}; expected [<= {tokens}, {L}, {K}]")
-        out[i, : ids.shape[0]] = ids.to(dtype)
-    return out

@@ -1,12 +1,12 @@
 """Beam's MoE router and routed experts for Megatron's `MoELayer`.
 
-Router contract (beam_rl.routing): FP32 weight [E, hidden] that stays FP32 through Megatron's
+Router contract (beam_rl.model.routing): FP32 weight [E, hidden] that stays FP32 through Megatron's
 Float16Module wrapping and `reset_parameters`; logits accumulate in FP64 and round once to FP32
 (the reference's batch-size-independent logits); grouped sigmoid top-k with the expert bias, gate
 weights = unbiased scores renormalised x `routed_scaling_factor` (Megatron's native
 `topk_routing_with_score_function`, which also implements R3 replay through `RouterReplay`).
 
-Experts contract (beam_rl.numerics.moe_combine): each expert's SwiGLU output is rounded to the
+Experts contract (beam_rl.model.numerics.moe_combine): each expert's SwiGLU output is rounded to the
 activation dtype, multiplied by its FP32 gate weight in FP32 and summed in FP32; the MoE layer's
 output stays FP32 until the decoder layer rounds it once. (Megatron's SequentialMLP instead
 scales the intermediate activation by the probability and sums in BF16.) The sum runs in expert
@@ -19,7 +19,7 @@ import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.router import TopKRouter
 
-from beam_rl.routing import router_logits
+from beam_rl.model.routing import router_logits
 
 
 class BeamRouter(TopKRouter):

@@ -5,7 +5,7 @@ carrying the sender's `tensor_checksum` of every tensor.
 Megatron checkpoints: Megatron-Core's `torch` format (`--ckpt-format torch`), TP1 / PP1 / EP1:
 `DIR/latest_checkpointed_iteration.txt` + `DIR/iter_NNNNNNN/mp_rank_00/model_optim_rng.pt`, or an
 `iter_*` / `mp_rank_00` directory, or the `.pt` file itself; its `model` entry holds the Megatron
-state dict (`beam_rl.megatron.convert.MAPPINGS` names). The Beam `config.json` must sit in the
+state dict (`beam_rl.model.names.MAPPINGS` names). The Beam `config.json` must sit in the
 checkpoint directory (or a parent) or be given with `--config`. The `.pt` is a pickle: load only
 checkpoints you trust.
 """
@@ -19,11 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from beam_rl.checkpoint import INDEX_NAME, SINGLE_NAME, atomic_directory, load_config, read_tensors
-from beam_rl.config import BeamConfig
-from beam_rl.megatron.convert import export_hf, mapping_for
+from beam_rl.model.checkpoint import INDEX_NAME, SINGLE_NAME, atomic_directory, load_config, read_tensors
+from beam_rl.model.config import BeamConfig
+from beam_rl.megatron.convert import export_hf
+from beam_rl.model.names import PEFT_CONFIG, mapping_for
 from beam_rl.sync.base import WeightUpdate
-from beam_rl.weights import checkpoint_tensors, tensor_checksum
+from beam_rl.model.weights import checkpoint_tensors, tensor_checksum
 
 
 class SourceError(ValueError):
@@ -45,8 +46,8 @@ def full_update(path: str | os.PathLike) -> WeightUpdate:
 
 def lora_update(path: str | os.PathLike, name: str) -> WeightUpdate:
     path = Path(path).resolve()
-    if not (path / "adapter_config.json").exists():
-        raise SourceError(f"{path}: no adapter_config.json; --lora must be a PEFT adapter directory")
+    if not (path / PEFT_CONFIG).exists():
+        raise SourceError(f"{path}: no {PEFT_CONFIG}; --lora must be a PEFT adapter directory")
     if not name:
         raise SourceError("--lora-name is required with --lora (the name requests use as `model`)")
     nbytes = sum(f.stat().st_size for f in path.glob("adapter_model.*"))

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from beam_rl.checkpoint import load_config
+from beam_rl.model.checkpoint import load_config
 from beam_rl.rollout import GLOO_WEIGHT_TRANSFER
 from beam_rl.sync.base import ServerClient, ServerReport, SyncError, WeightSyncStrategy, WeightUpdate, compare_checksums, register_strategy
 
@@ -50,7 +50,7 @@ def checkpoint_manifest(path: str | Path) -> list[tuple[str, str, list[int], Pat
     by file, without reading tensor data; names and shapes checked as `read_tensors` checks them."""
     from safetensors import safe_open
 
-    from beam_rl.checkpoint import check_shape, checked_tensor_files
+    from beam_rl.model.checkpoint import check_shape, checked_tensor_files
 
     by_file, specs = checked_tensor_files(path, load_config(path))
     out = []

@@ -4,7 +4,7 @@ first, BF16 outputs compared bit for bit, router ids compared exactly. Skips wit
 import pytest
 import torch
 
-from beam_rl import numerics, routing
+from beam_rl.model import numerics, routing
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available():

@@ -8,12 +8,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("megatron.core")
 
-from beam_rl.checkpoint import build_model  # noqa: E402
+from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.megatron import replay as r3  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
-from beam_rl.presets import get_preset  # noqa: E402
+from beam_rl.model.presets import get_preset  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 B, T = 2, 1024  # crosses beam-mini's 512-token window
@@ -46,7 +46,7 @@ def _logprobs(logits, ids):
 
 def _fp32_attention(q, k, v, q_positions, k_positions, sliding_window, probs="exact"):
     """numerics.attention accumulated in FP32 instead of FP64 (a last-bit perturbation); exact probabilities only."""
-    from beam_rl import numerics
+    from beam_rl.model import numerics
 
     assert probs == "exact", f"the FP32 perturbation is of the exact definition, not probs={probs!r}"
     scores = numerics.attention_scores(q, k, q_positions, k_positions, sliding_window, dtype=torch.float32)
@@ -60,7 +60,7 @@ def perturbation_floor(setup, monkeypatch_module):
     predictions, entropy ~9.9 nats): on the H200 Megatron vs the reference measured 1.1e-2, on the CPU
     1.2e-2, and the same 1.1e-2 with every GEMM made order-independent on both sides
     (scripts/diag_layers.py). A definition error (wrong scale, window, routing) lands far above it."""
-    from beam_rl import numerics
+    from beam_rl.model import numerics
 
     config, ref, ids, out = setup
     monkeypatch_module.setattr(numerics, "attention", _fp32_attention)

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from beam_rl.config import BeamConfig, default_layer_types, default_mlp_layer_types
+from beam_rl.model.config import BeamConfig, default_layer_types, default_mlp_layer_types
 
 PRESETS: dict[str, dict] = {
     "beam-1.0-501b": dict(

@@ -1,14 +1,13 @@
-"""HF-format Beam checkpoints: seeded initialisation, save, and a strict load.
+"""HF-format Beam checkpoint files: save, and strict reads of config and tensors.
 
 A checkpoint directory holds `config.json` and safetensors files with the released tensor names
-(`beam_rl.weights`), sharded with a `model.safetensors.index.json` when large. Loading refuses a
+(`beam_rl.model.weights`), sharded with a `model.safetensors.index.json` when large. Loading refuses a
 missing, extra or wrongly-shaped tensor, naming it; router tensors are kept FP32.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -20,9 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from beam_rl.config import BeamConfig
-from beam_rl.modeling import BeamForCausalLM
-from beam_rl.weights import checkpoint_tensors
+from beam_rl.model.config import BeamConfig
+from beam_rl.model.weights import checkpoint_tensors
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -30,37 +28,6 @@ SINGLE_NAME = "model.safetensors"
 
 class CheckpointError(ValueError):
     """A checkpoint does not match its config; the message names the tensor(s)."""
-
-
-def init_weights(model: BeamForCausalLM, seed: int) -> BeamForCausalLM:
-    """Seeded, device-independent initialisation (drawn in FP32 on CPU in checkpoint order).
-
-    Embedding ~ N(0, 1): the residual stream starts at unit variance, and since every sublayer
-    output is post-normed (unit RMS with unit norm weights) and added as
-    h <- sqrt((n-1)/n) h + x / sqrt(n), it keeps unit variance at every depth. Linear weights
-    ~ N(0, 1/fan_in) keep each projection's output at the scale of its input; norm weights are 1,
-    output-gate biases and router correction biases 0.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, spec in checkpoint_tensors(model.config).items():
-            if spec.kind == "norm" or name.endswith(("gate_bias", "e_score_correction_bias")):
-                value = torch.ones(spec.shape) if spec.kind == "norm" else torch.zeros(spec.shape)
-            elif spec.kind == "embedding":
-                value = torch.randn(spec.shape, generator=gen)
-            else:
-                value = torch.randn(spec.shape, generator=gen) / math.sqrt(spec.shape[-1])
-            state[name].copy_(value)
-    return model
-
-
-def build_model(config: BeamConfig, *, seed: int | None = 0, dtype=torch.bfloat16, device="cpu") -> BeamForCausalLM:
-    """A reference model of `config`, seeded-initialised (seed=None: weights left empty)."""
-    model = BeamForCausalLM(config)
-    if seed is not None:
-        init_weights(model, seed)
-    return model.to(device=device, dtype=dtype).eval()
 
 
 @contextmanager
@@ -80,8 +47,9 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
-def save_checkpoint(model: BeamForCausalLM, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> Path:
-    """Write config.json + safetensors (sharded above `max_shard_bytes`) atomically to `path`."""
+def save_checkpoint(model, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> Path:
+    """Write `model`'s config.json + safetensors (sharded above `max_shard_bytes`) atomically to `path`
+    (any module with a `BeamConfig` `.config` and the released tensor names in its state dict)."""
     path = Path(path)
     specs = checkpoint_tensors(model.config)
     state = model.state_dict()
@@ -166,12 +134,11 @@ def load_config(path: str | os.PathLike) -> BeamConfig:
     return BeamConfig.from_json_file(str(cfg_file))
 
 
-def load_checkpoint(path: str | os.PathLike, *, dtype=torch.bfloat16, device="cpu") -> BeamForCausalLM:
-    """Strictly load a reference model from a checkpoint directory; router tensors stay FP32."""
-    config = load_config(path)
-    with torch.device("meta"):
-        model = BeamForCausalLM(config)
+#END
+
+
+def load_state_dict(path: str | os.PathLike, config: BeamConfig, *, dtype=torch.bfloat16, device="cpu") -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors checked against `config`, each in its storage dtype (`dtype` for
+    BF16-stored tensors; router tensors FP32) on `device`."""
     specs = checkpoint_tensors(config)
-    state = {name: t.to(device=device, dtype=specs[name].dtype(dtype)) for name, t in read_tensors(path, config)}
-    model.load_state_dict(state, strict=True, assign=True)
-    return model.eval()
+    return {name: t.to(device=device, dtype=specs[name].dtype(dtype)) for name, t in read_tensors(path, config)}

@@ -3,7 +3,7 @@
 Read top to bottom: norms, attention (Q/K norm, RoPE or SSMax, sliding window, output gate),
 MLPs (dense SwiGLU, grouped sigmoid MoE with replay), the decoder layer with sandwich norms and
 depth-scaled residual adds, and the causal LM. Pointwise math and its BF16 rounding points live in
-`beam_rl.numerics`, routing in `beam_rl.routing`; nothing here rounds anywhere else.
+`beam_rl.model.numerics`, routing in `beam_rl.model.routing`; nothing here rounds anywhere else.
 
 Routing: `forward(..., routed_experts=None)` returns the chosen expert ids [B, T, moe_layers,
 top_k] (MoE layers in order); passing ids replays them (R3): the experts are forced, the gate
@@ -13,15 +13,19 @@ weights come from this model's own router scores.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from beam_rl import numerics
-from beam_rl.config import BeamConfig
-from beam_rl.routing import replay_experts, router_logits, select_experts
+from beam_rl.model import numerics
+from beam_rl.model.checkpoint import load_config, load_state_dict
+from beam_rl.model.config import BeamConfig
+from beam_rl.model.weights import checkpoint_tensors
+from beam_rl.model.routing import replay_experts, router_logits, select_experts
 
 
 class BeamRMSNorm(nn.Module):
@@ -239,7 +243,7 @@ class BeamPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["BeamDecoderLayer"]
 
     def _init_weights(self, module):
-        # Seeded initialisation is explicit (beam_rl.checkpoint.init_weights); HF's hook does nothing.
+        # Seeded initialisation is explicit (`init_weights` below); HF's hook does nothing.
         pass
 
 
@@ -296,9 +300,7 @@ class BeamForCausalLM(BeamPreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, path, *args, dtype: torch.dtype = torch.bfloat16, device="cpu", **kwargs):
-        """Strict load of a Beam checkpoint directory (see `beam_rl.checkpoint.load_checkpoint`)."""
-        from beam_rl.checkpoint import load_checkpoint
-
+        """Strict load of a Beam checkpoint directory (`load_checkpoint`)."""
         for passed_by_auto_classes in ("config", "revision", "trust_remote_code", "adapter_kwargs"):
             kwargs.pop(passed_by_auto_classes, None)
         if args or kwargs:
@@ -344,3 +346,54 @@ class BeamForCausalLM(BeamPreTrainedModel):
             ids = torch.cat([ids, nxt], dim=1)
             step_input = nxt
         return torch.cat(out, dim=1)
+
+
+# -- construction, loading and Auto-class registration -------------------------------------------
+def init_weights(model: BeamForCausalLM, seed: int) -> BeamForCausalLM:
+    """Seeded, device-independent initialisation (drawn in FP32 on CPU in checkpoint order).
+
+    Embedding ~ N(0, 1): the residual stream starts at unit variance, and since every sublayer
+    output is post-normed (unit RMS with unit norm weights) and added as
+    h <- sqrt((n-1)/n) h + x / sqrt(n), it keeps unit variance at every depth. Linear weights
+    ~ N(0, 1/fan_in) keep each projection's output at the scale of its input; norm weights are 1,
+    output-gate biases and router correction biases 0.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, spec in checkpoint_tensors(model.config).items():
+            if spec.kind == "norm" or name.endswith(("gate_bias", "e_score_correction_bias")):
+                value = torch.ones(spec.shape) if spec.kind == "norm" else torch.zeros(spec.shape)
+            elif spec.kind == "embedding":
+                value = torch.randn(spec.shape, generator=gen)
+            else:
+                value = torch.randn(spec.shape, generator=gen) / math.sqrt(spec.shape[-1])
+            state[name].copy_(value)
+    return model
+
+
+def build_model(config: BeamConfig, *, seed: int | None = 0, dtype=torch.bfloat16, device="cpu") -> BeamForCausalLM:
+    """A reference model of `config`, seeded-initialised (seed=None: weights left empty)."""
+    model = BeamForCausalLM(config)
+    if seed is not None:
+        init_weights(model, seed)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype=torch.bfloat16, device="cpu") -> BeamForCausalLM:
+    """Strictly load a reference model from a checkpoint directory; router tensors stay FP32."""
+    config = load_config(path)
+    with torch.device("meta"):
+        model = BeamForCausalLM(config)
+    model.load_state_dict(load_state_dict(path, config, dtype=dtype, device=device), strict=True, assign=True)
+    return model.eval()
+
+
+def register_auto() -> None:
+    """Register beam-rl's `beam` with transformers' Auto classes (idempotent)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    # transformers >= 5.2x ships its own `beam`; ours replaces it so that `AutoConfig` /
+    # `AutoModelForCausalLM` on a Beam checkpoint give beam-rl's validated config and reference model.
+    AutoConfig.register("beam", BeamConfig, exist_ok=True)
+    AutoModelForCausalLM.register(BeamConfig, BeamForCausalLM, exist_ok=True)

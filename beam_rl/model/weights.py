@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from beam_rl.config import BeamConfig
+from beam_rl.model.config import BeamConfig
 
 # Per-layer tensors under `model.layers.{i}.`; sizes are keys of `_sizes()`.
 ATTENTION_TENSORS: dict[str, tuple[str, ...]] = {

@@ -222,13 +222,4 @@ def default_mlp_layer_types(num_layers: int, num_dense: int = 3) -> list[str]:
     return ["dense" if i < num_dense else "sparse" for i in range(num_layers)]
 
 
-def register_auto() -> None:
-    """Register beam-rl's `beam` with transformers' Auto classes (idempotent)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from beam_rl.modeling import BeamForCausalLM
-
-    # transformers >= 5.2x ships its own `beam`; ours replaces it so that `AutoConfig` /
-    # `AutoModelForCausalLM` on a Beam checkpoint give beam-rl's validated config and reference model.
-    AutoConfig.register("beam", BeamConfig, exist_ok=True)
-    AutoModelForCausalLM.register(BeamConfig, BeamForCausalLM, exist_ok=True)
+#END
