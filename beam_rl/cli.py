@@ -119,17 +119,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
-    __import__("beam_rl.eval.run").eval.run.add_eval_parser(sub)
-    __import__("beam_rl.sync.run").sync.run.add_sync_parser(sub)
-    __import__("beam_rl.gap").gap.add_gap_parser(sub)
-    __import__("beam_rl.dapo.cli").dapo.cli.add_dapo_parser(sub)
-    __import__("beam_rl.dapo.cli").dapo.cli.add_plot_parser(sub)
+    from beam_rl.dapo.cli import add_dapo_parser, add_plot_parser
+    from beam_rl.eval.run import add_eval_parser
+    from beam_rl.gap.cli import add_gap_parser
+    from beam_rl.sync.run import add_sync_parser
+
+    for add in (add_eval_parser, add_sync_parser, add_gap_parser, add_dapo_parser, add_plot_parser):
+        add(sub)
+    for command in sub.choices.values():
+        command.add_argument("--debug", action="store_true", help="show the traceback of an input error")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. Bad input (`beam_rl.errors.InputError`, a missing file) prints one line,
+    `beam-rl <command>: error: <what and how to fix it>`, and exits 2."""
+    from beam_rl.errors import InputError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (InputError, FileNotFoundError) as e:
+        if args.debug:
+            raise
+        message = " ".join(str(e).split())
+        print(f"beam-rl {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ checkpoints and the models agree by construction. Memory models, stated so they 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
+from beam_rl.errors import InputError
 from beam_rl.model.config import BeamConfig
 from beam_rl.model.weights import checkpoint_tensors
 
@@ -177,6 +179,10 @@ class Plan:
 
 def make_plan(config: BeamConfig, name: str = "custom", num_gpus: int = 8, gpu_gib: float = 141.0,
               expert_format: str = "fp8") -> Plan:
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+        raise InputError(f"--gpus must be a whole number >= 1, got {num_gpus!r}")
+    if not (isinstance(gpu_gib, (int, float)) and math.isfinite(gpu_gib) and gpu_gib > 0):
+        raise InputError(f"--gpu-gib must be a positive number of GiB, got {gpu_gib!r}")
     counts = count_params(config)
     rollout = plan_rollout(config, counts, num_gpus, gpu_gib, expert_format=expert_format)
     return Plan(

@@ -36,10 +36,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from beam_rl.errors import InputError
 from beam_rl.model.config import BeamConfig
 
 
-class R3Error(ValueError):
+class R3Error(InputError):
     """Rollout payload that does not fit the model or itself; the message names request and field."""
 
 

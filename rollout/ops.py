@@ -160,8 +160,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, config: Bea
     Fused (CUDA): the Triton router (FP64-accumulating split-K GEMM rounded once to FP32, then the
     top-k); unfused, any device: the reference `routing.router_logits` (FP64-accumulated, rounded
     once) + `routing.select_experts`. Both compute the correctly rounded logits, so both builds pick
-    the same experts; an FP32 GEMM here would sum in another order and flip near-ties (seen on the
-    H200: the fused and plain builds' greedy tokens diverged after 13 tokens)."""
+    the same experts; an FP32 GEMM here would sum in another order and flip near-ties, and the two
+    builds' greedy tokens would diverge."""
     args = dict(top_k=config.num_experts_per_tok, n_group=config.n_group, topk_group=config.topk_group,
                 routed_scaling_factor=config.routed_scaling_factor, norm_topk_prob=config.norm_topk_prob)
     if use_fused_kernels():

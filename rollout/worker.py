@@ -23,6 +23,26 @@ from beam_rl.rollout.capture import RequestRouting
 from beam_rl.rollout.compat import tensor_names
 
 
+# vLLM's CPU attention kernel sets ("isa", chosen per engine by `_get_attn_isa`) that round the
+# probabilities P to BF16 before P.V (`beam_rl.model.numerics.attention` probs="bf16")
+BF16_PROBS_CPU_ATTENTION_ISAS = ("amx",)
+
+
+def attention_probs_of_isa(isa: str | None) -> str:
+    """How attention kernels `isa` round the probabilities (`numerics.attention` probs=): "bf16"
+    for `BF16_PROBS_CPU_ATTENTION_ISAS`, "exact" for the other CPU kernel sets (they keep P in
+    FP32) and on CUDA (isa None), where FlashAttention rounds P per key tile against a running
+    maximum, which a whole-row rounding does not reproduce, so trainers keep FP32 there."""
+    return "bf16" if isa in BF16_PROBS_CPU_ATTENTION_ISAS else "exact"
+
+
+def engine_attention_probs(llm) -> str:
+    """`attention_probs_of_isa` of the running engine's kernels. Asked of the engine, not predicted
+    for this machine: its workers choose for themselves, and a worker has been seen to pick "vec"
+    on a machine whose own process reports AMX."""
+    return attention_probs_of_isa(engine_attention_isa(llm))
+
+
 def engine_attention_isa(llm) -> str | None:
     """The kernel set ("amx", "vec", ...) vLLM's CPU attention uses in every worker of llm (started with
     this extension), None where attention is not vLLM's CPU backend (CUDA); an error if workers or

@@ -5,7 +5,7 @@
 
 Trainers, each recomputing the same rollout with its routing replayed:
 - megatron bf16 (the `beam-rl gap --mode bf16` trainer: attention as the rollout engine reports
-  computing it, `trainer_attention_dtype(engine_attention_isa(llm))`; FP32 LM head), and with each
+  computing it, `trainer_attention_dtype(engine.attention_probs)`; FP32 LM head), and with each
   attention definition:
   fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs)
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
@@ -22,7 +22,6 @@ Trainers, each recomputing the same rollout with its routing replayed:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import tempfile
 from pathlib import Path
@@ -76,7 +75,11 @@ def reference_deltas(checkpoint, batch, patches=None, attention_probs="exact"):
 
 
 def main() -> None:
-    from beam_rl.gap import GapOptions, default_prompts, gap_stats, recompute, rollout, start_engine, stdout_to_stderr
+    from beam_rl.engines import start_rollout_engine
+    from beam_rl.gap import GapOptions
+    from beam_rl.gap.cli import stdout_to_stderr
+    from beam_rl.gap.measure import _build_checkpoint, default_prompts, engine_settings, gap_stats, recompute, rollout
+    from beam_rl.megatron.attention import trainer_attention_dtype
     from beam_rl.model.checkpoint import load_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -93,19 +96,13 @@ def main() -> None:
     opts = GapOptions(preset=args.preset, num_prompts=args.num_prompts, min_prompt_len=args.min_prompt_len,
                       max_prompt_len=args.max_prompt_len, max_tokens=args.max_tokens, seed=args.seed, progress=False)
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():  # stdout: only the table or JSON below
-        from beam_rl.gap import _build_checkpoint
-
         ckpt = args.checkpoint or str(_build_checkpoint(args.preset, args.seed, Path(tmp) / args.preset))
         config = load_config(ckpt)
         prompts = default_prompts(config, opts.num_prompts, opts.min_prompt_len, opts.max_prompt_len, opts.seed)
-        llm = start_engine(ckpt, config, opts, max_model_len=max(map(len, prompts)) + opts.max_tokens + 1)
-        batch = rollout(llm, prompts, config, opts, None)
-        from beam_rl.megatron.attention import trainer_attention_dtype
-        from beam_rl.rollout.worker import engine_attention_isa
-
-        gap_dtype = trainer_attention_dtype(engine_attention_isa(llm))  # what `beam-rl gap` would pick for this engine
-        del llm
-        gc.collect()
+        engine = start_rollout_engine(engine_settings(ckpt, opts, max_model_len=max(map(len, prompts)) + opts.max_tokens + 1))
+        batch = rollout(engine, prompts, opts, None)
+        gap_dtype = trainer_attention_dtype(engine.attention_probs)  # what `beam-rl gap` would pick for this engine
+        engine.shutdown()
         rows = {}
         variants = {
             f"megatron bf16 (gap --mode bf16: attention_dtype={gap_dtype})": dict(mode="bf16", attention_dtype=gap_dtype),
@@ -136,12 +133,13 @@ def build_variant(ckpt, config, opts, v):
     import torch
 
     from beam_rl.model.checkpoint import read_tensors
-    from beam_rl.gap import MODES
+    from beam_rl.engines.megatron import PROVIDER_MODES
+    from beam_rl.engines import TRAIN_MODES
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.provider import BeamModelProvider
 
     init_single_process(seed=opts.seed)
-    mode = MODES[v["mode"]].provider_mode if v["mode"] in MODES else v["mode"]
+    mode = PROVIDER_MODES[TRAIN_MODES[v["mode"]].precision] if v["mode"] in TRAIN_MODES else v["mode"]
     model = BeamModelProvider(config, mode=mode, attention_dtype=v.get("attention_dtype", "fp32")).provide_loaded(
         dict(read_tensors(ckpt, config))).eval()
     if v.get("round_head"):

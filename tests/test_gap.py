@@ -40,7 +40,7 @@ def test_cli_bf16_json_ci_check(tmp_path):
 
 _NOISY_RUN = """
 import os, subprocess, sys
-from beam_rl.gap import stdout_to_stderr
+from beam_rl.gap.cli import stdout_to_stderr
 with stdout_to_stderr():
     print("INFO a logger on sys.stdout")
     os.write(1, b"raw write to fd 1\\n")
@@ -66,34 +66,36 @@ import json, os
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import vllm.v1.attention.backends.cpu_attn as cpu_attn
 cpu_attn._get_attn_isa = lambda *args, **kwargs: "vec"
-from beam_rl.gap import GapOptions, run_gap
+from beam_rl.gap import GapOptions
+from beam_rl.gap.measure import run_gap
 report = run_gap(GapOptions(preset="beam-tiny", mode="bf16", num_prompts=8, max_tokens=32, progress=False))
-print(json.dumps({k: report[k] for k in ("engine_attention_isa", "trainer_attention_dtype", "r3_on")}))
+print(json.dumps({k: report[k] for k in ("engine_attention_probs", "r3_on")}))
 """
 
 
 def test_trainer_follows_the_engines_attention_kernels():
     """The trainer defines attention as the engine reports computing it. Here vLLM's CPU attention is
-    forced to its "vec" kernels, which keep P in FP32, as a worker without AMX runs them. One CI run's
-    worker picked them on an AMX machine, and the gap check then failed at 0.013 against a trainer
-    that assumed "amx". Now the trainer runs FP32 attention and the R3 gap stays under the bar."""
+    forced to its "vec" kernels, which keep P in FP32, as a worker without AMX runs them (a worker can
+    pick them on an AMX machine): the engine reports exact probabilities, the trainer runs FP32
+    attention and the R3 gap stays under the bar."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     proc = subprocess.run([sys.executable, "-c", _FORCED_VEC_GAP], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"\nforced vec: {report}")
-    assert report["engine_attention_isa"] == "vec" and report["trainer_attention_dtype"] == "fp32"
+    assert report["engine_attention_probs"] == "exact"
     assert report["r3_on"]["mean_abs_logprob_diff"] < 0.01 and report["r3_on"]["router_disagreement"] == 0.0
 
 
 @pytest.fixture(scope="module")
-def gap_on_shared_engine(tiny_vllm, tiny_checkpoint):
-    from beam_rl.gap import GapOptions, run_gap
+def gap_on_shared_engine(tiny_engine, tiny_checkpoint):
+    from beam_rl.gap import GapOptions
+    from beam_rl.gap.measure import run_gap
 
     def run(mode, **kw):
         opts = GapOptions(checkpoint=str(tiny_checkpoint), mode=mode, num_prompts=8, max_tokens=32, progress=False, **kw)
-        report = run_gap(opts, llm=tiny_vllm)
+        report = run_gap(opts, engine=tiny_engine)
         print(f"\n{mode}: R3 on {report['r3_on']}\n{mode}: R3 off {report['r3_off']}")
         return report
 
@@ -104,7 +106,7 @@ def test_lora_mode_adapter_applied_on_both_sides(gap_on_shared_engine):
     report = gap_on_shared_engine("lora")
     on, off = report["r3_on"], report["r3_off"]
     # With a strong random adapter (effect ~0.46) the trainer's adapter rounds where vLLM's LoRA
-    # kernels do (beam_rl/megatron/lora.py; was 0.014-0.015 with an FP32 adapter path): the 0.01 bar.
+    # kernels do (beam_rl/megatron/lora.py): the 0.01 bar.
     assert on["mean_abs_logprob_diff"] < 0.01 and on["router_disagreement"] == 0.0
     # an engine that ignored the adapter would be off by the adapter's own effect
     assert report["lora_effect_mean_abs_logprob"] > 10 * on["mean_abs_logprob_diff"]

@@ -14,7 +14,7 @@ from beam_rl.megatron.convert import Layout, export_hf, hf_to_megatron, shard, u
 from beam_rl.model.names import MAPPINGS, mapping_for  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
-from beam_rl.megatron.mxfp8 import mxfp8_fake_quant, mxfp8_linear_classes, mxfp8_quantize  # noqa: E402
+from beam_rl.megatron.mxfp8 import mxfp8_fake_quant, mxfp8_quantize  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
 from beam_rl.model.weights import checkpoint_tensors  # noqa: E402
 
@@ -144,9 +144,6 @@ def test_mxfp8_emulation_changes_logprobs_boundedly(world, tiny_model, tiny_conf
     assert 0 < gap.mean().item() < 0.25
 
 
-def test_mxfp8_te_needs_blackwell():
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10:
-        pytest.skip("Blackwell GPU present")
-    with pytest.raises(RuntimeError, match="mxfp8_fallback_to_emulation"):
-        mxfp8_linear_classes("mxfp8-te")
-    assert mxfp8_linear_classes("mxfp8-te", fallback_to_emulation=True) == mxfp8_linear_classes("mxfp8-emulated")
+def test_unknown_provider_mode_names_the_choices(tiny_config):
+    with pytest.raises(ValueError, match=r"mode='mxfp8-te'; choose one of \('bf16', 'fp32', 'mxfp8-emulated'\)"):
+        BeamModelProvider(tiny_config, mode="mxfp8-te").transformer_config()

@@ -4,7 +4,7 @@ FP32 engine: the model is the reference to FP32 noise, so greedy tokens, routing
 match exactly or within 1e-3. BF16 engine: vLLM's CPU attention rounds a few outputs differently
 from the FP64 reference (one BF16 ulp; on AVX512-BF16 CPUs it also rounds the probabilities to
 BF16 on its AMX kernels, and the reference is then compared with the definition the engine reports,
-`numerics.engine_attention_probs(engine_attention_isa(llm))`),
+`engine_attention_probs(llm)`),
 and a near-tie in the router can then flip an expert; with the captured routing replayed (R3) the
 reference reproduces vLLM's log-probs and choices.
 """
@@ -24,7 +24,7 @@ from beam_rl.model import numerics  # noqa: E402
 from beam_rl.model.checkpoint import read_tensors, save_checkpoint  # noqa: E402
 from beam_rl.model.modeling import build_model, load_checkpoint  # noqa: E402
 from beam_rl.rollout.routing import fetch_routed_experts, moe_layers  # noqa: E402
-from beam_rl.rollout.worker import engine_attention_isa  # noqa: E402
+from beam_rl.rollout.worker import attention_probs_of_isa, engine_attention_isa, engine_attention_probs  # noqa: E402
 from beam_rl.model.weights import tensor_checksum  # noqa: E402
 
 
@@ -95,12 +95,11 @@ def test_fp32_engine_equals_reference(fp32_setup, tiny_config):
 
 def test_bf16_engine_with_r3_matches_reference(tiny_vllm, tiny_model, tiny_config):
     """The reference defines attention as this machine's engine computes it
-    (`numerics.engine_attention_probs` of the engine's attention kernels: probabilities rounded to BF16
-    on AMX)."""
+    (`engine_attention_probs` of the engine's attention kernels: probabilities rounded to BF16 on AMX)."""
     ps = prompts(seed=1)
     outs, routed = greedy(tiny_vllm, ps)
     diffs, agree, clear_total, disagreement, shared = [], 0, 0, [], []
-    probs = numerics.engine_attention_probs(engine_attention_isa(tiny_vllm))
+    probs = engine_attention_probs(tiny_vllm)
     with tiny_model.attention_probs(probs):
         for p, out, r in zip(ps, outs, routed):
             r_moe = moe_layers(r, tiny_config)
@@ -129,8 +128,8 @@ def test_engine_reports_its_attention_kernels(tiny_vllm):
     to one attention definition; the CPU ISA names are vLLM's (`cpu_attn._get_attn_isa`)."""
     isa = engine_attention_isa(tiny_vllm)
     assert isa in ("amx", "vec", "vec16", "neon", "rvv", "vxe", "vsx"), isa
-    assert numerics.engine_attention_probs(isa) == ("bf16" if isa == "amx" else "exact")
-    assert numerics.engine_attention_probs(None) in ("bf16", "exact")  # the machine's prediction
+    assert engine_attention_probs(tiny_vllm) == attention_probs_of_isa(isa) == ("bf16" if isa == "amx" else "exact")
+    assert attention_probs_of_isa(None) == "exact"  # CUDA: FlashAttention keeps P unrounded per row
 
 
 def test_lora_matches_merged_reference(fp32_setup):
@@ -213,7 +212,7 @@ def test_lm_head_is_fp32_holding_model_dtype_values(tiny_vllm, tiny_config, tiny
 def assert_matches_reference(ref, ps, outs, routed, config, llm):
     """Every request's log-probs (from llm) within the BF16 engine's bound of the reference replaying
     its routing, attention defined as llm computes it."""
-    with ref.attention_probs(numerics.engine_attention_probs(engine_attention_isa(llm))):
+    with ref.attention_probs(engine_attention_probs(llm)):
         for p, out, r in zip(ps, outs, routed):
             _, lp, _ = reference_logprobs(ref, p, out, routed=moe_layers(r, config))
             assert (lp - sampled_logprobs(out)).abs().mean() < 0.01, f"prompt of {len(p)} tokens"

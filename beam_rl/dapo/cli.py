@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from pathlib import Path
+
+
+def log_warnings_to(path: Path) -> None:
+    """Library warnings (Megatron-Core's missing Transformer Engine / Apex, deprecations) go to
+    `path` instead of the console; the console keeps the progress bar and the run's own lines."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logging.captureWarnings(True)
+    logger = logging.getLogger("py.warnings")
+    handler = logging.FileHandler(path, mode="a")
+    handler.setFormatter(logging.Formatter("WARNING %(asctime)s %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
 
 
 def cmd_dapo(args) -> int:
@@ -12,9 +26,11 @@ def cmd_dapo(args) -> int:
 
     recipe = load_recipe(args.recipe)
     out = args.out or recipe.run.out
+    if not args.verbose:
+        log_warnings_to(Path(out) / "engine.log")
     t0 = time.perf_counter()
     try:
-        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after)
+        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after, engine_log=not args.verbose)
     except R3GapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -41,6 +57,7 @@ def add_dapo_parser(sub) -> None:
     p.add_argument("--out", default=None, help="run directory (default: the recipe's run.out)")
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last complete checkpoint")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step, as if killed")
+    p.add_argument("--verbose", action="store_true", help="engine logs and library warnings on the console (default: RUN_DIR/engine.log)")
     p.set_defaults(func=cmd_dapo)
 
 

@@ -7,14 +7,18 @@ dotted key and the keys that are allowed there; bad values name the field and th
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from beam_rl.errors import InputError
 
-class RecipeError(ValueError):
+
+class RecipeError(InputError):
     """A recipe key or value is wrong; the message names the field."""
 
 
@@ -96,8 +100,7 @@ class RolloutConfig:
     sync_dir: str | None = None
     """Where the policy's weights are written for the engine to reload each step. Default: a
     per-run directory under /dev/shm when it has room for twice the weights (the write is atomic),
-    else RUN_DIR/engine. RAM-backed, the sync skips the disk: on the H200 the disk path moved
-    mini-h200's 2.4 GB at 260-310 MB/s, half of each DAPO step."""
+    else RUN_DIR/engine. RAM-backed, the sync skips the disk (docs/results/sync.md has the speeds)."""
 
 
 @dataclass
@@ -211,14 +214,82 @@ class Recipe:
         need(self.dapo.max_extra_rounds >= 0, "dapo.max_extra_rounds", "must be >= 0")
         need(0 <= self.dapo.overlong.cache_length < self.rollout.max_response_tokens, "dapo.overlong.cache_length",
              f"must lie in [0, rollout.max_response_tokens={self.rollout.max_response_tokens})")
-        need(self.train.mode in ("bf16", "lora", "mxfp8"), "train.mode", "choose 'bf16', 'lora' or 'mxfp8'")
+        from beam_rl.engines.base import TRAIN_MODES
+
+        need(self.train.mode in TRAIN_MODES, "train.mode", f"choose one of {sorted(TRAIN_MODES)}")
         need(self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+        need(self.run.max_mean_abs_logprob_diff > 0, "run.max_mean_abs_logprob_diff", "must be > 0")
+        need(self.model.checkpoint is None or (Path(self.model.checkpoint) / "config.json").exists(), "model.checkpoint",
+             f"{self.model.checkpoint} has no config.json; give a Beam checkpoint directory or leave it unset")
+        need(self.task.max_operand >= 1, "task.max_operand", "must be >= 1")
+        need(bool(self.task.ops) and set(self.task.ops) <= set("+-*"), "task.ops", "use characters from '+-*'")
+        need(0 < self.task.heldout_fraction < 1, "task.heldout_fraction", "must lie in (0, 1)")
+        need(self.warm_start.steps >= 0, "warm_start.steps", "must be >= 0")
+        need(self.warm_start.batch_size >= 1, "warm_start.batch_size", "must be >= 1")
+        need(self.warm_start.lr > 0, "warm_start.lr", "must be > 0")
+        need(self.rollout.eval_samples >= 1, "rollout.eval_samples", "must be >= 1 (avg@k needs k samples)")
+        need(self.rollout.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0 GiB")
+        need(0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must lie in (0, 1]")
+        need(self.rollout.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1")
+        need(self.dapo.oversample_factor >= 1, "dapo.oversample_factor", "must be >= 1")
+        need(self.dapo.overlong.penalty_factor >= 0, "dapo.overlong.penalty_factor", "must be >= 0")
+        need(self.dapo.kl_coef >= 0, "dapo.kl_coef", "must be >= 0")
+        need(self.train.lr > 0, "train.lr", "must be > 0")
+        need(all(0 <= b < 1 for b in self.train.betas), "train.betas", "both must lie in [0, 1)")
+        need(self.train.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        need(self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0: off)")
+        need(self.train.lora.r >= 1, "train.lora.r", "must be >= 1")
+        need(self.train.lora.alpha > 0, "train.lora.alpha", "must be > 0")
+        from beam_rl.tasks.arithmetic import ArithmeticTask, Tokenizer
+
+        prompt = ArithmeticTask(self.task.max_operand, self.task.ops).longest_prompt_tokens(Tokenizer())
+        need(prompt + self.rollout.max_response_tokens <= self.rollout.max_model_len, "rollout.max_model_len",
+             f"{self.rollout.max_model_len} < the longest prompt ({prompt} tokens) + rollout.max_response_tokens "
+             f"({self.rollout.max_response_tokens}); raise it to at least {prompt + self.rollout.max_response_tokens}")
         from beam_rl.dapo.advantages import ADVANTAGES
         from beam_rl.dapo.loss import POLICY_LOSSES
 
         need(self.dapo.loss in POLICY_LOSSES, "dapo.loss", f"choose from {sorted(POLICY_LOSSES)}")
         need(self.dapo.advantage in ADVANTAGES, "dapo.advantage", f"choose from {sorted(ADVANTAGES)}")
         return self
+
+
+_FLOAT_TEXT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _typed(value: Any, kind: str, dotted: str) -> Any:
+    """`value` checked against the field's annotation `kind` ("int", "float | None", ...)."""
+    optional = kind.endswith(" | None")
+    base = kind.removesuffix(" | None")
+    if value is None:
+        if optional:
+            return None
+        raise RecipeError(f"{dotted}: must not be null")
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise RecipeError(f"{dotted}: expected true/false, got {value!r}")
+        return value
+    if base == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RecipeError(f"{dotted}: expected a whole number, got {value!r}")
+        return value
+    if base == "float":
+        # YAML 1.1 reads `1e-3` (no dot) as a string: take plain decimal / exponent notation as the number it is
+        if isinstance(value, str) and _FLOAT_TEXT.match(value.strip()):
+            value = float(value)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise RecipeError(f"{dotted}: expected a number, got {value!r}")
+        return float(value)
+    if base == "str":
+        if not isinstance(value, str) or not value:
+            raise RecipeError(f"{dotted}: expected a non-empty string, got {value!r}")
+        return value
+    if base.startswith("tuple[float"):
+        n = base.count("float")
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            raise RecipeError(f"{dotted}: expected a list of {n} numbers, got {value!r}")
+        return tuple(_typed(v, "float", f"{dotted}[{i}]") for i, v in enumerate(value))
+    raise TypeError(f"recipe field {dotted} has an annotation the loader does not know: {kind!r}")
 
 
 def _build(cls, data: Any, prefix: str):
@@ -230,19 +301,12 @@ def _build(cls, data: Any, prefix: str):
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             raise RecipeError(f"unknown recipe key {dotted!r}; allowed here: {sorted(fields)}")
-        default = fields[key].default_factory() if fields[key].default_factory is not dataclasses.MISSING else fields[key].default
+        f = fields[key]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             kwargs[key] = _build(type(default), value or {}, dotted)
-        elif isinstance(default, tuple):
-            kwargs[key] = tuple(value)
-        elif isinstance(default, bool) and not isinstance(value, bool):
-            raise RecipeError(f"{dotted}: expected true/false, got {value!r}")
-        elif isinstance(default, (int, float)) and not isinstance(default, bool):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise RecipeError(f"{dotted}: expected a number, got {value!r}")
-            kwargs[key] = type(default)(value) if isinstance(default, float) or float(value).is_integer() else value
         else:
-            kwargs[key] = value
+            kwargs[key] = _typed(value, str(f.type), dotted)
     return cls(**kwargs)
 
 
@@ -254,7 +318,16 @@ def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     if not path.exists():
         raise RecipeError(f"recipe {path} does not exist (see recipes/ for examples)")
-    return recipe_from_dict(yaml.safe_load(path.read_text()))
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise RecipeError(f"recipe {path}:{where} is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    try:
+        return recipe_from_dict(data)
+    except RecipeError as e:
+        raise RecipeError(f"recipe {path}: {e}") from None
 
 
 def recipe_to_dict(recipe: Recipe) -> dict:

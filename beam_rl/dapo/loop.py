@@ -1,8 +1,9 @@
 """The one-node DAPO loop: rollout (vLLM, routed experts captured) -> reward -> train (Megatron,
 R3) -> verified weight sync into the same engine -> repeat; checkpoints, metrics, resume.
 
-`run_dapo(recipe, run_dir, resume=..., llm=...)` is the whole job (`beam-rl dapo`). Pass `llm` to
-reuse a running engine (tests): the run then starts with a verified sync of its own weights.
+`run_dapo(recipe, run_dir, resume=..., engine=...)` is the whole job (`beam-rl dapo`). Pass `engine`
+(a `RolloutEngine`) to reuse a running one (tests): the run then starts with a verified sync of its
+own weights. Engines are reached through `beam_rl.engines` only.
 """
 
 from __future__ import annotations
@@ -18,21 +19,40 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from beam_rl.model.checkpoint import read_tensors
-from beam_rl.model.modeling import build_model, load_checkpoint
-from beam_rl.dapo import checkpointing, engine
+from beam_rl.dapo import checkpointing
 from beam_rl.dapo.advantages import compute_advantages
 from beam_rl.dapo.config import Recipe, recipe_to_dict
 from beam_rl.dapo.data import DataOrder, eval_seed, sampling_seed
-from beam_rl.dapo.loss import LossSettings
+from beam_rl.dapo.loss import LossSettings, policy_loss
 from beam_rl.dapo.metrics import MetricsWriter
 from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
-from beam_rl.dapo.policy import Policy
 from beam_rl.dapo.sampling import DynamicSampler
 from beam_rl.dapo.warmstart import warm_start
+from beam_rl.engines import EngineSettings, RolloutEngine, Sampling, build_trainer, start_rollout_engine
+from beam_rl.engines.base import checksums_of
+from beam_rl.model.checkpoint import SINGLE_NAME, atomic_directory, read_tensors
+from beam_rl.model.modeling import build_model, load_checkpoint
 from beam_rl.model.presets import get_preset
-from beam_rl.r3 import RolloutBatch
+from beam_rl.r3 import RolloutBatch, RolloutSample
 from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, ArithmeticTask, Tokenizer, integer_reward
+
+
+def dapo_loss_fn(mbs: list, olds: list, advs: list, masks: list, settings: LossSettings, loss_name: str):
+    """The `TrainerBackend.step` loss of one DAPO mini-batch: `loss_name` of `POLICY_LOSSES` with a
+    token-level normaliser over the whole mini-batch, metrics weighted by each micro-batch's tokens."""
+    total_tokens = float(sum(m.sum() for m in masks)) or 1.0
+    if settings.loss_agg == "token_mean":
+        normalizer = total_tokens
+    else:
+        normalizer = float(sum((m.sum(-1) > 0).sum() for m in masks)) or 1.0
+
+    def loss(lp: torch.Tensor, i: int):
+        value, metrics = policy_loss(loss_name, lp, olds[i], advs[i], masks[i], settings,
+                                     rollout_logprobs=mbs[i].rollout_logprobs.to(lp.device), normalizer=normalizer)
+        w = float(masks[i].sum()) / total_tokens
+        return value, {k: v * w for k, v in metrics.items()}
+
+    return loss
 
 
 class R3GapError(RuntimeError):
@@ -42,8 +62,7 @@ class R3GapError(RuntimeError):
 @dataclass
 class Group:
     problem_index: int
-    outputs: list
-    routed: list
+    samples: list[RolloutSample]
     rewards: list[float]
     correct: list[float]
     truncated: list[bool]
@@ -60,17 +79,25 @@ def sync_root(run_dir: Path, sync_dir: str | None, weight_bytes: int) -> tuple[P
     return run_dir / "engine", False
 
 
-def _engine_dir(root: Path, tensors: dict, config) -> tuple[Path, dict]:
+def _engine_dir(root: Path, tensors: dict, config) -> tuple[Path, dict[str, str]]:
+    """Atomically write HF-named safetensors + config.json + the tokenizer to `root/weights`;
+    returns the checksums of what was written (what the engine must report receiving)."""
+    from safetensors.torch import save_file
+
     path = root / "weights"
-    sent = engine.write_weights(tensors, path, config)
-    for f in TOKENIZER_FILES:
-        shutil.copy(TOKENIZER_DIR / f, path / f)
-    return path, sent
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    with atomic_directory(path) as tmp:
+        save_file(tensors, tmp / SINGLE_NAME, metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        for f in TOKENIZER_FILES:
+            shutil.copy(TOKENIZER_DIR / f, tmp / f)
+    return path, checksums_of(tensors.items())
 
 
 class Job:
-    def __init__(self, recipe: Recipe, run_dir: Path, *, resume: bool, llm=None, progress: bool = True, log=print):
-        self.r, self.run_dir, self.log, self.progress = recipe, Path(run_dir), log, progress
+    def __init__(self, recipe: Recipe, run_dir: Path, *, resume: bool, engine: RolloutEngine | None = None, progress: bool = True,
+                 log=print, engine_log: bool = False):
+        self.r, self.run_dir, self.log, self.progress, self.engine_log = recipe, Path(run_dir), log, progress, engine_log
         self.tok = Tokenizer()
         t = recipe.task
         self.task = ArithmeticTask(max_operand=t.max_operand, ops=t.ops, heldout_fraction=t.heldout_fraction, seed=t.seed)
@@ -86,35 +113,38 @@ class Job:
             self.log(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}; starting from scratch")
         self._build_policy(ckpt)
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.start_step if ckpt else None)
-        base_tensors = self.policy.hf_tensors(merged=self.lora and recipe.train.lora.merge)
+        base_tensors = self.policy.export(merged=self.lora and recipe.train.lora.merge)
         nbytes = sum(t.numel() * t.element_size() for t in base_tensors.values())
         self.engine_root, self._remove_engine_root = sync_root(self.run_dir, recipe.rollout.sync_dir, nbytes)
         try:
-            self._start_engine(recipe, base_tensors, llm)
+            self._start_engine(recipe, base_tensors, engine)
         except BaseException:
             self.close()
             raise
 
-    def _start_engine(self, recipe: Recipe, base_tensors: dict, llm) -> None:
+    def _start_engine(self, recipe: Recipe, base_tensors: dict, engine: RolloutEngine | None) -> None:
         model_dir, sent = _engine_dir(self.engine_root, base_tensors, self.config)
-        ro = recipe.rollout
-        if llm is None:
-            self.llm = engine.start_engine(str(model_dir), seed=recipe.run.seed, max_model_len=ro.max_model_len, kv_cache_gib=ro.kv_cache_gib,
-                                           enforce_eager=ro.enforce_eager, max_num_seqs=ro.max_num_seqs,
-                                           lora_rank=recipe.train.lora.r if self.sync_adapter else None,
-                                           gpu_memory_utilization=ro.gpu_memory_utilization, sleep_mode=ro.sleep_between_phases,
-                                           temperature=ro.temperature)
+        if engine is None:
+            self.engine = start_rollout_engine(self.engine_settings(recipe, model_dir, self.run_dir if self.engine_log else None))
         else:
-            self.llm = llm
-            engine.verified_reload(llm, model_dir, sent)
-        from beam_rl.megatron.attention import trainer_attention_dtype
-        from beam_rl.rollout.worker import engine_attention_isa
+            self.engine = engine
+            self.engine.update_weights(model_dir, sent)
+        self.policy.set_attention_probs(self.engine.attention_probs)  # the trainer defines attention as this engine computes it
+        self.log(f"rollout attention probabilities: {self.engine.attention_probs}")
+        self.adapter = self._sync_adapter(self.start_step) if self.sync_adapter else None
 
-        isa = engine_attention_isa(self.llm)  # the trainer defines attention as this engine computes it
-        attention_dtype = trainer_attention_dtype(isa)
-        self.policy.set_attention_dtype(attention_dtype)
-        self.log(f"rollout attention kernels: {isa or 'CUDA'}; trainer attention_dtype {attention_dtype}")
-        self.lora_request = self._sync_adapter(self.start_step) if self.sync_adapter else None
+    @staticmethod
+    def engine_settings(recipe: Recipe, model_dir: Path, run_dir: Path | None = None) -> EngineSettings:
+        """The rollout engine `beam-rl dapo` starts for `recipe` (weights and tokenizer in `model_dir`;
+        engine logs in `run_dir/engine.log` when `run_dir` is given, else on the console)."""
+        ro = recipe.rollout
+        return EngineSettings(
+            model=str(model_dir), tokenizer=str(model_dir), seed=recipe.run.seed, max_model_len=ro.max_model_len,
+            max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, kv_cache_gib=ro.kv_cache_gib,
+            lora_rank=recipe.train.lora.r if recipe.train.mode == "lora" and not recipe.train.lora.merge else None,
+            gpu_memory_utilization=ro.gpu_memory_utilization, sleep_mode=ro.sleep_between_phases,
+            processed_logprobs=ro.temperature != 1.0,
+            log_file=str(Path(run_dir) / "engine.log") if run_dir is not None else None)
 
     # -- construction / resume -------------------------------------------------------------------
     def _build_policy(self, ckpt: Path | None) -> None:
@@ -122,10 +152,10 @@ class Job:
         if ckpt is not None:
             state = checkpointing.load_trainer_state(ckpt)
             hf = dict(read_tensors(ckpt / "hf", self.config))
-            self.policy = Policy(self.config, hf, mode=r.train.mode, recompute=r.train.recompute)
+            self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute)
         else:
             base = load_checkpoint(r.model.checkpoint) if r.model.checkpoint else build_model(self.config, seed=r.model.init_seed)
-            self.policy = Policy(self.config, base.state_dict(), mode=r.train.mode, recompute=r.train.recompute)
+            self.policy = build_trainer(self.config, base.state_dict(), mode=r.train.mode, recompute=r.train.recompute)
             if r.warm_start.steps:
                 t0 = time.perf_counter()
                 losses = warm_start(self.policy, self.task, self.tok, r.warm_start, seed=r.run.seed)
@@ -135,34 +165,28 @@ class Job:
             self.policy.add_lora(r.train.lora.r, r.train.lora.alpha, seed=r.run.seed)
         self.policy.make_optimizer(lr=r.train.lr, betas=r.train.betas, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip)
         if ckpt is not None:
-            self.policy.optimizer.load_state_dict(state["optimizer"])
+            self.policy.load_optimizer_state(state["optimizer"])
             self.data.load_state_dict(state["data"])
             checkpointing.set_rng_state(state["rng"])
             self.start_step = int(state["step"])
             self.log(f"resumed from {ckpt} (step {self.start_step})")
 
     def _sync_adapter(self, step: int):
-        from vllm.lora.request import LoRARequest
-
         path = self.engine_root / f"adapter_{step:06d}"
-        self.policy.save_adapter(path, base=str(self.engine_root / "weights"))
-        from beam_rl.megatron.lora import _peft_items
-
-        sent = {}
-        for hf, _, a, b in _peft_items(self.policy.model):
-            sent[f"base_model.model.{hf}.lora_A.weight"] = a
-            sent[f"base_model.model.{hf}.lora_B.weight"] = b
-        engine.verified_adapter(path, sent)
+        sent = self.policy.save_adapter(path, base=str(self.engine_root / "weights"))
+        adapter = self.engine.load_adapter(path, sent, step)
         old = self.engine_root / f"adapter_{step - 1:06d}"
         if step > 0 and old.exists():
             shutil.rmtree(old)
-        return LoRARequest(f"policy-{step}", step + 1, str(path))
+        self.adapter_bytes = sum(t.numel() * 4 for t in sent.values())
+        return adapter
 
     # -- phases ----------------------------------------------------------------------------------
-    def _generate(self, problems: list, seeds: list[int], group: int):
+    def _generate(self, problems: list, seeds: list[int], group: int) -> RolloutBatch:
         prompts = [self.task.prompt_ids(p, self.tok) for p in problems for _ in range(group)]
-        return engine.generate(self.llm, prompts, seeds, max_tokens=self.r.rollout.max_response_tokens,
-                               temperature=self.r.rollout.temperature, stop_token_ids=[self.tok.eos_id], lora_request=self.lora_request)
+        sampling = [Sampling(max_tokens=self.r.rollout.max_response_tokens, temperature=self.r.rollout.temperature, seed=s,
+                             stop_token_ids=(self.tok.eos_id,)) for s in seeds]
+        return self.engine.generate(prompts, sampling, adapter=self.adapter)
 
     def rollout(self, step: int) -> tuple[DynamicSampler, dict]:
         ro, d = self.r.rollout, self.r.dapo
@@ -174,13 +198,13 @@ class Job:
             idx = self.data.take(n)
             problems = [self.task.train[i] for i in idx]
             seeds = [sampling_seed(self.r.run.seed, step, sampler.rounds, i) for i in range(n * G)]
-            outputs, routed = self._generate(problems, seeds, G)
+            samples = self._generate(problems, seeds, G).samples
             groups, rewards = [], []
             for g, (i, p) in enumerate(zip(idx, problems)):
-                outs, rts = outputs[g * G : (g + 1) * G], routed[g * G : (g + 1) * G]
+                outs = list(samples[g * G : (g + 1) * G])
                 correct, rew, trunc = [], [], []
                 for o in outs:
-                    ids = list(o.outputs[0].token_ids)
+                    ids = o.output_ids.tolist()
                     c = integer_reward(ids, p.answer, self.tok)
                     truncated = ids[-1] != self.tok.eos_id
                     pen = soft_overlong_penalty(len(ids), ro.max_response_tokens, ol.cache_length, ol.penalty_factor) if ol.soft_punishment else 0.0
@@ -188,7 +212,7 @@ class Job:
                     stats["generated_tokens"] += len(ids)
                     stats["lengths"].append(len(ids))
                 stats["correct"] += correct
-                groups.append(Group(i, outs, rts, rew, correct, trunc))
+                groups.append(Group(i, outs, rew, correct, trunc))
                 rewards.append(rew)
             sampler.add(groups, rewards)
         return sampler, stats
@@ -196,9 +220,7 @@ class Job:
     def train(self, groups: list[Group]) -> dict:
         r, d = self.r, self.r.dapo
         G = r.rollout.group_size
-        outputs = [o for g in groups for o in g.outputs]
-        routed = [x for g in groups for x in g.routed]
-        batch = RolloutBatch.from_vllm(outputs, routed, self.config)
+        batch = RolloutBatch(tuple(s for g in groups for s in g.samples), self.config)
         adv = compute_advantages(d.advantage, torch.tensor([g.rewards for g in groups])).reshape(-1)  # (N,)
         keep = [k for g in groups for k in overlong_keep(g.truncated, d.overlong.filtering)]
         mb_size = r.train.micro_batch_size
@@ -211,18 +233,19 @@ class Job:
             rows = [gi * G + j for gi in mini for j in range(G)]
             mbs, olds, advs, masks = [], [], [], []
             for s in range(0, len(rows), mb_size):
-                mb = self.policy.to_device(batch.to_trainer(rows[s : s + mb_size]))
+                mb = batch.to_trainer(rows[s : s + mb_size])
                 old = self.policy.logprobs(mb, temperature=r.rollout.temperature)
-                gaps.append((old - mb.rollout_logprobs).abs()[mb.mask])
-                keep_rows = torch.tensor([keep[i] for i in mb.indices], device=mb.mask.device)
-                mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)].to(mb.mask.device))
-                masks.append(mb.mask & keep_rows[:, None])
+                dev = old.device
+                gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])
+                keep_rows = torch.tensor([keep[i] for i in mb.indices], device=dev)
+                mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)].to(dev))
+                masks.append(mb.mask.to(dev) & keep_rows[:, None])
             plans.append((mbs, olds, advs, masks))
         gap = torch.cat(gaps).float().cpu()
         out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
         sums: dict[str, float] = {}
         for mbs, olds, advs, masks in plans:
-            m = self.policy.update(mbs, olds, advs, masks, settings, d.loss, r.rollout.temperature)
+            m = self.policy.step(mbs, dapo_loss_fn(mbs, olds, advs, masks, settings, d.loss), temperature=r.rollout.temperature)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v / len(plans)
             out["train_tokens"] += int(sum(int(mb.lengths.sum()) for mb in mbs))
@@ -232,12 +255,12 @@ class Job:
     def sync(self, step: int) -> dict:
         t0 = time.perf_counter()
         if self.sync_adapter:
-            self.lora_request = self._sync_adapter(step)
-            nbytes = sum(p.numel() * 4 for p in self.policy.model.parameters() if p.requires_grad)
+            self.adapter = self._sync_adapter(step)
+            nbytes = self.adapter_bytes
         else:
-            tensors = self.policy.hf_tensors(merged=True)
+            tensors = self.policy.export(merged=True)
             path, sent = _engine_dir(self.engine_root, tensors, self.config)
-            engine.verified_reload(self.llm, path, sent)
+            self.engine.update_weights(path, sent)
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         dt = time.perf_counter() - t0
         return {"sync_s": dt, "sync_mb_per_s": nbytes / 2**20 / dt}
@@ -246,23 +269,23 @@ class Job:
         k = self.r.rollout.eval_samples
         problems = self.task.heldout
         seeds = [eval_seed(self.r.run.seed, i) for i in range(len(problems) * k)]
-        outputs, _ = self._generate(problems, seeds, k)
-        correct = [integer_reward(list(o.outputs[0].token_ids), problems[i // k].answer, self.tok) for i, o in enumerate(outputs)]
+        samples = self._generate(problems, seeds, k).samples
+        correct = [integer_reward(o.output_ids.tolist(), problems[i // k].answer, self.tok) for i, o in enumerate(samples)]
         return float(np.mean(correct))
 
     def checkpoint(self, step: int) -> Path:
-        state = {"optimizer": self.policy.optimizer.state_dict(), "data": self.data.state_dict(), "recipe": recipe_to_dict(self.r),
+        state = {"optimizer": self.policy.optimizer_state(), "data": self.data.state_dict(), "recipe": recipe_to_dict(self.r),
                  "sampling_seed_base": self.r.run.seed}
-        return checkpointing.save(self.run_dir, step, self.policy.hf_tensors(merged=False), self.config, state)
+        return checkpointing.save(self.run_dir, step, self.policy.export(merged=False), self.config, state)
 
     def _sleep(self, asleep: bool) -> None:
         """rollout.sleep_between_phases (GPU): free vLLM's memory while the trainer runs."""
-        if not (self.r.rollout.sleep_between_phases and torch.cuda.is_available()):
+        if not self.r.rollout.sleep_between_phases:
             return
         if asleep:
-            self.llm.sleep(level=1)  # weights offloaded to CPU, KV cache dropped
+            self.engine.sleep()
         else:
-            self.llm.wake_up()  # then the verified sync overwrites the weights
+            self.engine.wake()  # then the verified sync overwrites the weights
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> list[dict]:
@@ -320,10 +343,11 @@ class Job:
             shutil.rmtree(self.engine_root, ignore_errors=True)
 
 
-def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, llm=None, stop_after: int | None = None, progress: bool = True,
-             log=print) -> list[dict]:
+def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, engine: RolloutEngine | None = None, stop_after: int | None = None,
+             progress: bool = True, log=print, engine_log: bool = False) -> list[dict]:
+    """The whole job. `engine_log`: the engine this starts logs to RUN_DIR/engine.log."""
     torch.manual_seed(recipe.run.seed)
-    job = Job(recipe, Path(run_dir), resume=resume, llm=llm, progress=progress, log=log)
+    job = Job(recipe, Path(run_dir), resume=resume, engine=engine, progress=progress, log=log, engine_log=engine_log)
     try:
         return job.run(stop_after=stop_after)
     finally:

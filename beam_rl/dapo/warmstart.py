@@ -29,5 +29,4 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int) -> list[float]:
     for _ in range(cfg.steps):
         problems = [rng.choice(task.train) for _ in range(cfg.batch_size)]
         losses.append(policy.supervised_step(*answer_batch(task, tokenizer, problems)))
-    policy.optimizer = None
     return losses

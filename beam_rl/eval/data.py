@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from beam_rl.errors import InputError
+
 PROBLEM_KEYS = ("problem", "question", "prompt", "Problem", "Question", "input")
 ANSWER_KEYS = ("answer", "solution_answer", "ground_truth", "Answer", "final_answer", "target", "expected_answer")
 ID_KEYS = ("id", "ID", "problem_id", "idx", "unique_id")
@@ -28,7 +30,7 @@ HUB_LAYOUTS: dict[str, tuple[tuple[str | None, ...], str]] = {
 }
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """The problem source cannot be read as problem/answer rows; the message says how to fix it."""
 
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from beam_rl.errors import InputError
 from beam_rl.eval.data import BUILTIN, Problem, load_problems
 from beam_rl.eval.grading import GradingPool, normalize
 from beam_rl.eval.metrics import format_report, score_problem, summarize
@@ -92,20 +93,20 @@ def cmd_eval(args) -> int:
     cfg = SamplingConfig(n=args.n, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     template = resolve_template(args.template)
     if bool(args.server) == bool(args.checkpoint):
-        print("error: give either --server URL (repeatable) or --checkpoint DIR (in-process vLLM)", file=sys.stderr)
-        return 2
+        raise InputError("give either --server URL (repeatable) or --checkpoint DIR (in-process vLLM)")
     if args.server:
         sampler = ServerSampler(args.server, model=args.model, concurrency=args.concurrency)
         source = ", ".join(args.server)
     else:
-        import os
+        from beam_rl.engines import EngineSettings, start_rollout_engine
+        from beam_rl.model.checkpoint import verify_checkpoint
 
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-        from vllm import LLM
-
-        llm = LLM(model=args.checkpoint, tokenizer=args.tokenizer, dtype=args.dtype, enforce_eager=True,
-                  max_model_len=args.max_model_len, seed=args.seed)
-        sampler = InProcessSampler(llm)
+        max_model_len = args.max_model_len or verify_checkpoint(args.checkpoint).max_position_embeddings
+        engine = start_rollout_engine(EngineSettings(
+            model=args.checkpoint, tokenizer=args.tokenizer or args.checkpoint, dtype=args.dtype, seed=args.seed,
+            max_model_len=max_model_len, capture_routing=False, kv_cache_gib=args.kv_cache_gib,
+            gpu_memory_utilization=args.gpu_memory_utilization))
+        sampler = InProcessSampler(engine)
         source = args.checkpoint
     result = evaluate(problems, sampler, cfg, template=template, pass_k=args.pass_k, grade_workers=args.grade_workers,
                       grade_timeout_s=args.grade_timeout, out_dir=args.out, progress=not args.no_progress,
@@ -131,7 +132,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--checkpoint", default=None, help="run an in-process vLLM engine on this checkpoint instead")
     p.add_argument("--tokenizer", default=None, help="tokenizer for --checkpoint (default: the checkpoint's)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None, help="engine context (default: the model's max_position_embeddings)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="CPU engine: KV-cache memory in GiB (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="GPU engine: vLLM's share of GPU memory (default 0.9)")
     p.add_argument("--n", type=int, default=d.n, help=f"samples per problem (default {d.n}: avg@8)")
     p.add_argument("--pass-k", type=int, default=None, help="k of pass@k (default: n)")
     p.add_argument("--temperature", type=float, default=d.temperature, help=f"default {d.temperature} (DAPO validation)")

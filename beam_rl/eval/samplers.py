@@ -45,28 +45,25 @@ class Sample:
 
 
 class InProcessSampler:
-    """Samples from an in-process `vllm.LLM`. With `tokenizer` (an HF tokenizer), prompts are
-    encoded and outputs decoded here, so an engine started with `skip_tokenizer_init` works."""
+    """Samples from a running `RolloutEngine` (`beam_rl.engines`). With `tokenizer` (an HF
+    tokenizer), prompts are encoded and outputs decoded here, so an engine without a tokenizer works."""
 
-    def __init__(self, llm, tokenizer=None):
-        self.llm, self.tokenizer = llm, tokenizer
+    def __init__(self, engine, tokenizer=None):
+        self.engine, self.tokenizer = engine, tokenizer
 
     def sample(self, prompts: list[str], cfg: SamplingConfig, progress=None) -> list[list[Sample]]:
-        from vllm import SamplingParams
+        from beam_rl.engines import Sampling
 
-        params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens,
-                                 seed=cfg.seed + i, detokenize=self.tokenizer is None) for i in range(len(prompts))]
-        if self.tokenizer is not None:
-            inputs = [{"prompt_token_ids": self.tokenizer.encode(p)} for p in prompts]
-        else:
-            inputs = prompts
-        outputs = self.llm.generate(inputs, params, use_tqdm=progress is not None)
+        sampling = [Sampling(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed + i)
+                    for i in range(len(prompts))]
+        inputs = [self.tokenizer.encode(p) for p in prompts] if self.tokenizer is not None else prompts
+        outputs = self.engine.complete(inputs, sampling, n=cfg.n, progress=progress is not None)
         result = []
-        for out in outputs:
+        for completions in outputs:
             samples = []
-            for o in sorted(out.outputs, key=lambda o: o.index):
-                text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True) if self.tokenizer is not None else o.text
-                samples.append(Sample(text, len(o.token_ids), o.finish_reason))
+            for c in completions:
+                text = self.tokenizer.decode(list(c.token_ids), skip_special_tokens=True) if self.tokenizer is not None else c.text
+                samples.append(Sample(text, len(c.token_ids), c.finish_reason))
             result.append(samples)
         if progress is not None:
             progress.update(len(prompts))

@@ -11,7 +11,7 @@ FP32 rounded once (`qk_norm_rope_ssmax`, FP32 tables from `rope_cos_sin_cache` /
 "fp32"`, the default; the reference uses FP64, a documented reduction-order difference), or BF16
 inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA, a speed option), or FP32
 scores with the probabilities rounded to BF16 before P.V (`"bf16-probs"`: `numerics.attention`
-probs="bf16", the rollout's definition where `numerics.engine_attention_probs` says so; explicit
+probs="bf16", the rollout's definition where the engine reports it (`RolloutEngine.attention_probs`); explicit
 [s, s] scores, for log-prob recomputation rather than long-sequence speed); output rounded once;
 output gate g = round(gate + bias), s = round(sigmoid(g)), out = round(attn * s).
 
@@ -38,10 +38,12 @@ from beam_rl.model import numerics
 ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs")
 
 
-def trainer_attention_dtype(isa: str | None = None) -> str:
-    """The `attention_dtype` that defines attention as a vLLM rollout engine whose CPU attention uses
-    `isa` computes it (`numerics.engine_attention_probs`; None: this machine's prediction)."""
-    return "bf16-probs" if numerics.engine_attention_probs(isa) == "bf16" else "fp32"
+def trainer_attention_dtype(probs: str) -> str:
+    """The `attention_dtype` that defines attention as a rollout engine rounding its attention
+    probabilities `probs` ("exact" | "bf16", `RolloutEngine.attention_probs`) computes it."""
+    if probs not in numerics.ATTENTION_PROBS:
+        raise ValueError(f"attention probs {probs!r}; choose from {numerics.ATTENTION_PROBS}")
+    return "bf16-probs" if probs == "bf16" else "fp32"
 
 
 def set_attention_dtype(model: torch.nn.Module, attention_dtype: str) -> int:

@@ -77,23 +77,3 @@ class MXFP8RowParallelLinear(RowParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _wrap_forward_impl(self)
-
-
-def mxfp8_linear_classes(mode: str, *, fallback_to_emulation: bool = False):
-    """(column, row) linear classes for `mode` 'mxfp8-emulated' or 'mxfp8-te'."""
-    if mode == "mxfp8-emulated":
-        return MXFP8ColumnParallelLinear, MXFP8RowParallelLinear
-    if mode != "mxfp8-te":
-        raise ValueError(f"unknown MXFP8 mode {mode!r}; use 'mxfp8-emulated' or 'mxfp8-te'")
-    capable = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
-    if not capable:
-        if fallback_to_emulation:
-            return MXFP8ColumnParallelLinear, MXFP8RowParallelLinear
-        raise RuntimeError(
-            "mode='mxfp8-te' needs Transformer Engine's MXFP8 recipe on compute capability >= 10 (Blackwell); "
-            "this device is not. Use mode='mxfp8-emulated' or set mxfp8_fallback_to_emulation=True"
-        )
-    raise NotImplementedError(
-        "mode='mxfp8-te' needs the Transformer Engine layer spec (TE is not installable on our machines); "
-        "use mode='mxfp8-emulated'"
-    )

@@ -17,7 +17,7 @@ from beam_rl.model.config import BeamConfig
 from beam_rl.megatron.layer_spec import beam_block_spec
 from beam_rl.megatron.layers import BeamGPTModel
 
-MODES = ("bf16", "fp32", "mxfp8-emulated", "mxfp8-te")
+MODES = ("bf16", "fp32", "mxfp8-emulated")
 
 
 @dataclass
@@ -27,8 +27,8 @@ class BeamModelProvider:
     beam: BeamConfig
     """The HF Beam config (validated)."""
     mode: str = "bf16"
-    """bf16 (full fine-tuning / LoRA base), fp32 (parity tests), mxfp8-emulated (CPU / Hopper),
-    mxfp8-te (Transformer Engine, compute capability >= 10 only)."""
+    """bf16 (full fine-tuning / LoRA base), fp32 (parity tests), mxfp8-emulated (MXFP8 numerics emulated
+    in PyTorch on any device; Transformer Engine's native MXFP8 needs Blackwell and TE, neither here)."""
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
@@ -37,8 +37,8 @@ class BeamModelProvider:
     (1) Beam rounds each GEMM once from an FP32 accumulation, and a whole expert does exactly that,
     whereas ETP > 1 splits the down projection into partial products that Megatron reduces
     (reduce-scatter in the dispatcher) only after the gate-weight multiply, so the expert output is
-    never rounded where Beam rounds it (on beam-tiny TP2 BF16 with replay, ETP = TP moved log-probs
-    by a mean 8.5e-3 from the one-rank model; see docs/results.md); (2) it is the usual layout for
+    never rounded where Beam rounds it (on beam-tiny TP2 BF16 with replay, ETP = TP moves log-probs
+    measurably from the one-rank model: tests/test_megatron_parallel.py); (2) it is the usual layout for
     large MoE training: experts are spread by expert parallelism, TP shards only attention / dense
     MLP / embeddings, and expert GEMMs stay large. Megatron's own default (None) is ETP = TP."""
     pipeline_model_parallel_size: int = 1
@@ -53,8 +53,6 @@ class BeamModelProvider:
     """Build RouterReplay instances (R3); router fusion is then refused."""
     expert_bias_update_rate: float = 0.0
     """Megatron updates the expert bias in finalize_model_grads even when frozen; 0 keeps it fixed."""
-    mxfp8_fallback_to_emulation: bool = False
-    """mode='mxfp8-te' on a GPU below compute capability 10: emulate instead of raising."""
     overrides: dict = field(default_factory=dict)
     """Extra TransformerConfig fields (applied last)."""
 
@@ -138,10 +136,10 @@ class BeamModelProvider:
         """(column, row) parallel linear classes; the row class reduces TP partials in FP32
         (`layers.fp32_tp_reduction`: Beam rounds a GEMM once)."""
         from beam_rl.megatron.layers import fp32_tp_reduction
-        from beam_rl.megatron.mxfp8 import mxfp8_linear_classes
+        from beam_rl.megatron.mxfp8 import MXFP8ColumnParallelLinear, MXFP8RowParallelLinear
 
-        if self.mode.startswith("mxfp8"):
-            col, row = mxfp8_linear_classes(self.mode, fallback_to_emulation=self.mxfp8_fallback_to_emulation)
+        if self.mode == "mxfp8-emulated":
+            col, row = MXFP8ColumnParallelLinear, MXFP8RowParallelLinear
         else:
             from megatron.core.tensor_parallel.layers import ColumnParallelLinear as col, RowParallelLinear as row
         return col, fp32_tp_reduction(row)

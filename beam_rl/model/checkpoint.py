@@ -19,14 +19,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from beam_rl.model.config import BeamConfig
+from beam_rl.errors import InputError
+from beam_rl.model.config import BeamConfig, BeamConfigError, check_checkpoint_dict
 from beam_rl.model.weights import checkpoint_tensors
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint does not match its config; the message names the tensor(s)."""
 
 
@@ -83,11 +84,18 @@ def checkpoint_files(path: str | os.PathLike) -> dict[str, Path]:
     """Tensor name -> safetensors file of a checkpoint directory (single file or indexed shards)."""
     path = Path(path)
     if (path / INDEX_NAME).exists():
-        weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        try:
+            weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path / INDEX_NAME}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
         return {name: path / fname for name, fname in weight_map.items()}
     if (path / SINGLE_NAME).exists():
-        with safe_open(path / SINGLE_NAME, framework="pt") as f:
-            return {name: path / SINGLE_NAME for name in f.keys()}
+        try:
+            with safe_open(path / SINGLE_NAME, framework="pt") as f:
+                return {name: path / SINGLE_NAME for name in f.keys()}
+        except Exception as e:
+            raise CheckpointError(f"{path / SINGLE_NAME}: cannot be read as safetensors ({type(e).__name__}: {e}); "
+                                  "is the file complete?") from None
     raise CheckpointError(f"{path}: no {SINGLE_NAME} or {INDEX_NAME}; is this a Beam checkpoint directory?")
 
 
@@ -116,22 +124,53 @@ def check_shape(path, name: str, shape, spec) -> None:
         raise CheckpointError(f"{path}: tensor {name} has shape {tuple(shape)}, config expects {spec.shape}")
 
 
+def check_values(path, name: str, t: torch.Tensor, spec) -> None:
+    """A tensor as stored: floating point, FP32 where Beam keeps FP32 (router weight and expert
+    bias: never converted from a narrower dtype), and finite everywhere."""
+    if not t.dtype.is_floating_point:
+        raise CheckpointError(f"{path}: tensor {name} is stored as {t.dtype}; Beam weights are floating point")
+    if spec.dtype(t.dtype) == torch.float32 and t.dtype != torch.float32:
+        raise CheckpointError(f"{path}: tensor {name} is stored as {t.dtype}; router tensors must be stored in FP32 "
+                              f"(re-export the checkpoint without casting them)")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CheckpointError(f"{path}: tensor {name} holds {bad} non-finite value(s) (NaN or inf); refusing to load it")
+
+
 def read_tensors(path: str | os.PathLike, config: BeamConfig):
-    """Yield (name, tensor) of a checkpoint after checking names and shapes against `config`."""
+    """Yield (name, tensor) of a checkpoint after checking names, shapes, storage dtypes and
+    finiteness against `config` (`check_shape`, `check_values`)."""
     by_file, specs = checked_tensor_files(path, config)
     for fname, names in by_file.items():
-        with safe_open(fname, framework="pt") as f:
+        try:
+            f = safe_open(fname, framework="pt")
+        except Exception as e:  # a truncated or foreign file: name it
+            raise CheckpointError(f"{fname}: cannot be read as safetensors ({type(e).__name__}: {e}); is the file complete?") from None
+        with f:
             for name in names:
-                t = f.get_tensor(name)
+                try:
+                    t = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{fname}: tensor {name} cannot be read ({type(e).__name__}: {e}); is the file complete?") from None
                 check_shape(path, name, t.shape, specs[name])
+                check_values(path, name, t, specs[name])
                 yield name, t
 
 
 def load_config(path: str | os.PathLike) -> BeamConfig:
+    """The checkpoint's config.json, strictly checked (`check_checkpoint_dict`, then `validate_beam`)."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.exists():
-        raise CheckpointError(f"{path}: no config.json")
-    return BeamConfig.from_json_file(str(cfg_file))
+        raise CheckpointError(f"{path}: no config.json; is this a Beam checkpoint directory?")
+    try:
+        data = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    check_checkpoint_dict(data, str(cfg_file))
+    try:
+        return BeamConfig(**data)
+    except BeamConfigError as e:
+        raise BeamConfigError(f"{cfg_file}: {e}") from None
 
 
 #END
@@ -142,3 +181,12 @@ def load_state_dict(path: str | os.PathLike, config: BeamConfig, *, dtype=torch.
     BF16-stored tensors; router tensors FP32) on `device`."""
     specs = checkpoint_tensors(config)
     return {name: t.to(device=device, dtype=specs[name].dtype(dtype)) for name, t in read_tensors(path, config)}
+
+
+def verify_checkpoint(path: str | os.PathLike) -> BeamConfig:
+    """Read a whole checkpoint once (config, every tensor's name, shape, dtype and values) and return
+    its config: what a command checks before it starts an engine on the directory."""
+    config = load_config(path)
+    for _ in read_tensors(path, config):
+        pass
+    return config

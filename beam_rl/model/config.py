@@ -9,14 +9,59 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+from beam_rl.errors import InputError
+
 LAYER_TYPES = ("sliding_attention", "full_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
 # Head sizes every attention backend we target supports (vLLM's CPU attention is the narrowest).
 SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-class BeamConfigError(ValueError):
+class BeamConfigError(InputError):
     """A Beam config field is invalid; the message names the field and the fix."""
+
+
+_INT = "a positive integer"
+# Every key of a released config.json that defines the model, with its JSON type: a checkpoint's
+# config must state each one (a missing key would silently take the 501B preset's value).
+CHECKPOINT_KEYS: dict[str, str] = {
+    **{k: _INT for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                         "moe_intermediate_size", "num_experts_per_tok", "num_experts", "n_group", "topk_group")},
+    "hidden_act": "a string", "rms_norm_eps": "a number", "tie_word_embeddings": "true or false",
+    "norm_topk_prob": "true or false", "routed_scaling_factor": "a number", "final_logit_softcapping": "a number or null",
+    "layer_types": "a list of strings", "mlp_layer_types": "a list of strings", "rope_parameters": "a mapping",
+}
+
+
+def _has_type(value, kind: str) -> bool:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return {
+        _INT: isinstance(value, int) and not isinstance(value, bool),
+        "a string": isinstance(value, str),
+        "a number": number,
+        "a number or null": value is None or number,
+        "true or false": isinstance(value, bool),
+        "a list of strings": isinstance(value, list) and all(isinstance(v, str) for v in value),
+        "a mapping": isinstance(value, dict),
+    }[kind]
+
+
+def check_checkpoint_dict(d: dict, source: str = "config.json") -> None:
+    """Refuse a checkpoint config that is not a complete, well-typed Beam config: `model_type` must be
+    "beam" and every key of `CHECKPOINT_KEYS` present with its JSON type (no "true" strings, no 8.0
+    for an integer). The message names the source, the key and the fix."""
+    if not isinstance(d, dict):
+        raise BeamConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    if d.get("model_type") != "beam":
+        raise BeamConfigError(f"{source}: model_type is {d.get('model_type')!r}; a Beam checkpoint has model_type \"beam\"")
+    missing = [k for k in CHECKPOINT_KEYS if k not in d]
+    if missing:
+        raise BeamConfigError(f"{source}: missing key(s) {missing}; a Beam config.json states every key that defines the "
+                              f"model (write it with BeamConfig.save_pretrained)")
+    for key, kind in CHECKPOINT_KEYS.items():
+        if not _has_type(d[key], kind):
+            raise BeamConfigError(f"{source}: {key} must be {kind}, got {d[key]!r} ({type(d[key]).__name__})")
 
 
 class BeamConfig(PretrainedConfig):
@@ -88,6 +133,12 @@ class BeamConfig(PretrainedConfig):
         self.validate_beam()
         kwargs.setdefault("architectures", ["BeamForCausalLM"])
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """HF's loading path (AutoConfig, vLLM): strict about the keys that define Beam."""
+        check_checkpoint_dict(config_dict)
+        return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
         out = super().to_dict()

@@ -285,7 +285,7 @@ class BeamForCausalLM(BeamPreTrainedModel):
     @contextlib.contextmanager
     def attention_probs(self, probs: str):
         """Within the block, every layer's attention uses `numerics.attention(..., probs=probs)`
-        ("bf16": as the rollout engine of `numerics.engine_attention_probs` computes it); the spec
+        ("bf16": as a rollout engine reporting `attention_probs == "bf16"` computes it); the spec
         ("exact") again afterwards."""
         if probs not in numerics.ATTENTION_PROBS:
             raise ValueError(f"attention probs={probs!r}; choose from {numerics.ATTENTION_PROBS}")

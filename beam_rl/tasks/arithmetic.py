@@ -102,6 +102,10 @@ class ArithmeticTask:
     def heldout(self) -> list[Problem]:
         return self._splits[1]
 
+    def longest_prompt_tokens(self, tokenizer: Tokenizer) -> int:
+        """Tokens of the longest prompt this task can pose (operands of the most digits)."""
+        return max(len(self.prompt_ids(Problem(self.max_operand, op, self.max_operand), tokenizer)) for op in self.ops)
+
     def prompt_ids(self, problem: Problem, tokenizer: Tokenizer) -> list[int]:
         return [tokenizer.bos_id] + tokenizer.encode(problem.text)
 

@@ -59,7 +59,7 @@ def perturbation_floor(setup, monkeypatch_module):
     same routing. Random beam-mini amplifies any last-bit difference with depth (nearly uniform
     predictions, entropy ~9.9 nats): on the H200 Megatron vs the reference measured 1.1e-2, on the CPU
     1.2e-2, and the same 1.1e-2 with every GEMM made order-independent on both sides
-    (scripts/diag_layers.py). A definition error (wrong scale, window, routing) lands far above it."""
+   . A definition error (wrong scale, window, routing) lands far above it."""
     from beam_rl.model import numerics
 
     config, ref, ids, out = setup

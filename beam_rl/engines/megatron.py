@@ -1,31 +1,25 @@
-"""The trainer side of the loop: the Megatron Beam policy, its FP32-master AdamW, R3 log-probs,
-the DAPO update and the HF-named export for weight sync.
+"""`MegatronTrainer`: the `TrainerBackend` on the Megatron-Core Beam model (one process, TP1),
+with FP32-master AdamW, R3 log-probs, the loss-agnostic update and the HF-named export.
 
-Modes (registry `MODES`): 'bf16' (BF16 parameters, FP32 master weights and Adam state), 'lora'
-(frozen BF16 base, FP32 PEFT adapters), 'mxfp8' (emulated MXFP8 linears off Blackwell, FP32 master).
+Modes (`beam_rl.engines.base.TRAIN_MODES`): 'bf16' (BF16 parameters, FP32 master weights and Adam
+state), 'lora' (frozen BF16 base, FP32 PEFT adapters), 'mxfp8' (emulated MXFP8 linears off
+Blackwell, FP32 master).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
-from beam_rl.model.config import BeamConfig
-from beam_rl.dapo.loss import LossSettings, policy_loss
+from beam_rl.engines.base import TRAIN_MODES, TrainerBackend, TrainLoss
 from beam_rl.megatron import replay as r3
 from beam_rl.megatron.logprobs import sequence_logprobs
+from beam_rl.model.config import BeamConfig
+from beam_rl.r3 import TrainerBatch
 
-
-@dataclass(frozen=True)
-class Mode:
-    provider_mode: str
-    """BeamModelProvider.mode of the trainer."""
-    lora: bool
-    """Train PEFT adapters instead of the weights."""
-
-
-MODES = {"bf16": Mode("bf16", False), "lora": Mode("bf16", True), "mxfp8": Mode("mxfp8-emulated", False)}
+# `BeamModelProvider.mode` of each training precision (no MXFP8 tensor cores on Hopper: emulated)
+PROVIDER_MODES = {"bf16": "bf16", "mxfp8": "mxfp8-emulated"}
 
 
 class MasterAdamW:
@@ -69,30 +63,28 @@ class MasterAdamW:
         self._copy_back()
 
 
-class Policy:
-    """The Megatron Beam model being trained, with R3 log-probs and the DAPO update."""
+class MegatronTrainer(TrainerBackend):
+    """The Megatron Beam model being trained, with R3 log-probs and the optimizer update."""
 
-    def __init__(self, config: BeamConfig, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False):
+    def __init__(self, config: BeamConfig, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234):
         from beam_rl.megatron.attention import trainer_attention_dtype
         from beam_rl.megatron.cpu import init_single_process
         from beam_rl.megatron.provider import BeamModelProvider
 
-        if mode not in MODES:
-            raise ValueError(f"train.mode={mode!r}; choose from {sorted(MODES)}")
-        init_single_process()
-        self.config, self.mode = config, MODES[mode]
-        # attention as this machine's rollout is predicted to compute it; the loop sets what the engine reports
-        self.model = BeamModelProvider(config, mode=self.mode.provider_mode, recompute=recompute,
-                                       attention_dtype=trainer_attention_dtype()).provide_loaded(hf_tensors).train()
+        if mode not in TRAIN_MODES:
+            raise ValueError(f"train.mode={mode!r}; choose from {sorted(TRAIN_MODES)}")
+        init_single_process(seed=seed)
+        self.config, self.mode = config, TRAIN_MODES[mode]
+        # attention "exact" until the rollout engine reports how it computes it (`set_attention_probs`)
+        self.model = BeamModelProvider(config, mode=PROVIDER_MODES[self.mode.precision], recompute=recompute,
+                                       attention_dtype=trainer_attention_dtype("exact")).provide_loaded(hf_tensors).train()
         self.optimizer: MasterAdamW | None = None
         self.lora_settings: tuple[int, float] | None = None
 
-    def set_attention_dtype(self, attention_dtype: str) -> None:
-        """Define attention as the rollout engine computes it (`trainer_attention_dtype` of the engine's
-        `engine_attention_isa`, once it runs)."""
-        from beam_rl.megatron.attention import set_attention_dtype
+    def set_attention_probs(self, probs: str) -> None:
+        from beam_rl.megatron.attention import set_attention_dtype, trainer_attention_dtype
 
-        set_attention_dtype(self.model, attention_dtype)
+        set_attention_dtype(self.model, trainer_attention_dtype(probs))
 
     def add_lora(self, r: int, alpha: float, seed: int) -> None:
         from beam_rl.megatron.lora import add_lora
@@ -102,27 +94,35 @@ class Policy:
             add_lora(self.model, r=r, alpha=alpha)
         self.lora_settings = (r, alpha)
 
-    def make_optimizer(self, *, lr, betas=(0.9, 0.98), weight_decay=0.0, grad_clip=0.0) -> MasterAdamW:
+    def make_optimizer(self, *, lr, betas=(0.9, 0.98), weight_decay=0.0, grad_clip=0.0) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = MasterAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, grad_clip=grad_clip)
+
+    def optimizer_state(self) -> dict:
+        return self._need_optimizer().state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self._need_optimizer().load_state_dict(state)
+
+    def _need_optimizer(self) -> MasterAdamW:
+        if self.optimizer is None:
+            raise RuntimeError("call make_optimizer() first")
         return self.optimizer
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def to_device(self, mb):
+    def to_device(self, mb: TrainerBatch) -> TrainerBatch:
         """The micro-batch with its tensors on the model's device (a no-op on CPU)."""
-        import dataclasses
-
         if self.device.type == "cpu":
             return mb
         return dataclasses.replace(mb, **{f.name: getattr(mb, f.name).to(self.device) for f in dataclasses.fields(mb)
                                           if isinstance(getattr(mb, f.name), torch.Tensor)})
 
     # -- log-probs -----------------------------------------------------------------------------
-    def logprobs(self, mb, *, temperature: float, replay: bool = True, grad: bool = False) -> torch.Tensor:
-        """[B, T-1] log-probs of an `r3.TrainerBatch`-like micro-batch (R3 replay of its experts)."""
+    def logprobs(self, mb: TrainerBatch, *, temperature: float = 1.0, replay: bool = True, grad: bool = False) -> torch.Tensor:
+        mb = self.to_device(mb)
         with torch.set_grad_enabled(grad):
             lp, _ = sequence_logprobs(
                 self.model, mb.input_ids, config=self.config, lengths=mb.lengths, prompt_lengths=mb.prompt_lengths,
@@ -133,41 +133,33 @@ class Policy:
         return lp
 
     # -- one optimizer update ----------------------------------------------------------------
-    def update(self, micro_batches: list, old_lp: list, adv: list, loss_mask: list, settings: LossSettings,
-               loss_name: str, temperature: float) -> dict:
-        """One optimizer step over `micro_batches` (gradient accumulation, token-level normaliser
-        over the whole mini-batch); returns loss metrics."""
-        if self.optimizer is None:
-            raise RuntimeError("call make_optimizer() before update()")
-        total_tokens = float(sum(m.sum() for m in loss_mask)) or 1.0
-        normalizer = total_tokens if settings.loss_agg == "token_mean" else float(sum((m.sum(-1) > 0).sum() for m in loss_mask)) or 1.0
+    def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float) -> dict[str, float]:
+        optimizer = self._need_optimizer()
         sums: dict[str, float] = {}
         loss_total = 0.0
-        for mb, old, a, m in zip(micro_batches, old_lp, adv, loss_mask):
+        for i, mb in enumerate(batches):
             lp = self.logprobs(mb, temperature=temperature, grad=True)
-            loss, metrics = policy_loss(loss_name, lp, old, a, m, settings, rollout_logprobs=mb.rollout_logprobs, normalizer=normalizer)
-            loss.backward()
+            value, metrics = loss(lp, i)
+            value.backward()
             r3.clear_replay(self.model)
-            loss_total += loss.item()
-            w = float(m.sum()) / total_tokens
+            loss_total += value.item()
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v * w
+                sums[k] = sums.get(k, 0.0) + v
         sums["loss"] = loss_total
-        sums["grad_norm"] = self.optimizer.step()
+        sums["grad_norm"] = optimizer.step()
         return sums
 
     def supervised_step(self, ids, lengths, prompt_lengths) -> float:
-        """Teacher-forced NLL of the response tokens (warm start), one optimizer step."""
+        optimizer = self._need_optimizer()
         d = self.device
         lp, mask = sequence_logprobs(self.model, ids.to(d), config=self.config, lengths=lengths.to(d), prompt_lengths=prompt_lengths.to(d))
         loss = -(lp * mask).sum() / mask.sum().clamp_min(1)
         loss.backward()
-        self.optimizer.step()
+        optimizer.step()
         return loss.item()
 
     # -- weights out ---------------------------------------------------------------------------
-    def hf_tensors(self, merged: bool = True) -> dict[str, torch.Tensor]:
-        """Full HF-named weights (LoRA deltas merged when `merged` and adapters exist)."""
+    def export(self, *, merged: bool = True) -> dict[str, torch.Tensor]:
         from beam_rl.megatron.convert import export_hf
         from beam_rl.megatron.lora import export_merged
 
@@ -176,11 +168,15 @@ class Policy:
             items = export_merged(items, self.model)
         return {k: v.detach().contiguous().cpu().clone() for k, v in items}
 
-    def save_adapter(self, path, base: str = "") -> None:
-        from beam_rl.megatron.lora import save_peft_adapter
+    def save_adapter(self, path, base: str = "") -> dict[str, torch.Tensor]:
+        from beam_rl.megatron.lora import peft_items, save_peft_adapter
+        from beam_rl.model.names import peft_key
 
+        if self.lora_settings is None:
+            raise RuntimeError("the trainer has no LoRA adapters; call add_lora first")
         r, alpha = self.lora_settings
         save_peft_adapter(self.model, path, self.config, r=r, alpha=alpha, base_model_name_or_path=base)
+        return {peft_key(hf, m): t for hf, _, a, b in peft_items(self.model) for m, t in (("A", a), ("B", b))}
 
     def load_adapter(self, path) -> None:
         from beam_rl.megatron.lora import load_peft_adapter

