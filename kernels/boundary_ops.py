@@ -114,8 +114,8 @@ def _boundary_kernel(x_ptr, h_ptr, wpost_ptr, wnext_ptr, hout_ptr, nout_ptr, num
     dt = hout_ptr.dtype.element_ty
     if NCHUNK == 1:  # the whole row in registers: each input read once
         # all four input loads (h and x, head and tail) are issued before the first reduction and its barrier, so
-        # the row's bytes are in flight together. Prefill, H200: h loaded where the arithmetic needs it, after x's
-        # reduction, 83% of copy bandwidth; h first but x's tail after its head's reduction, 89.5%; this, 93%
+        # the row's bytes are in flight together (the kernel is latency-bound: a load issued after a reduction
+        # waits for it)
         c, m, h, ct, mt, ht = _whole_row(h_ptr, r, row_ok, stride_h, n, CHUNK, TAIL)
         _, _, x, _, _, xt = _whole_row(x_ptr, r, row_ok, stride_x, n, CHUNK, TAIL)
         x = x.to(tl.float32)
@@ -174,11 +174,9 @@ def launch_shape(num_rows: int, n: int, kind: str = "boundary") -> tuple[int, in
     chunk + tail >= n holds whole rows in registers (each input read once): one masked power-of-two block
     (tail 0), or a power-of-two head and tail (5120 = 4096 + 1024: no idle lanes, but each norm reduces
     twice). chunk < n walks the row in chunks (later walks read L1/L2; the boundary recomputes its add).
-    - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps (with the loads issued up
-      front, the head + tail over 8 warps ties it at 1 token, 3.67 against 3.68 us, and trails at 64);
-    - prefill, boundary: head + tail over 4 warps (87 registers at 5120, no spills; 93% of copy
-      bandwidth): faster than the walk, which issues 47 instructions per element (sm_90 SASS) to the
-      head+tail's 31.6, and than 8 warps or a persistent loop over the rows;
+    - decode sizes (<= 64 rows): latency-bound; one masked block over 16 warps;
+    - prefill, boundary: head + tail over 4 warps (no spills at 5120): fewer instructions per element
+      than the walk, and faster than the walk, than 8 warps and than a persistent loop over the rows;
     - prefill, rms_norm: 1024-element walks over 8 warps (its second walk only re-reads x);
     - rows under 2048 (beam-mini, beam-tiny): several rows per program so each moves a few KiB."""
     block = triton.next_power_of_2(n)

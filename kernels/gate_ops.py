@@ -26,8 +26,8 @@ def _output_gate_kernel(a_ptr, g_ptr, b_ptr, o_ptr, n, s_at, s_gt, s_ot, HD: tl.
 
 
 def gate_launch_shape(tokens: int) -> tuple[int, int]:
-    """(elements per program, warps), from H200 sweeps (2026-12-01): 512 over 4 warps at decode sizes
-    (latency-bound; within 2% of the best at 1, 8 and 64 tokens), 1024 over 4 warps at prefill."""
+    """(elements per program, warps): 512 over 4 warps at decode sizes (latency-bound), 1024 over 4 warps
+    at prefill; chosen with `bench_kernels.py --tune` on the H200 (timings: docs/results/kernels.md)."""
     return (1024, 4) if tokens > 64 else (512, 4)
 
 

@@ -86,8 +86,8 @@ def _qk_norm_rope_kernel(
     q_src = q_ptr + t * stride_qt
     q_dst = qo_ptr + t * stride_qot
     # Every block's loads (and V's) are issued before the first reduction, so the token's whole 14 KiB
-    # (Beam-1.0) is in flight at once. Prefill RoPE, H200: each block loaded where it is normalised,
-    # 86.5% of copy bandwidth; one block ahead, 84-87%; all up front, 91-92% (4 warps).
+    # (Beam-1.0) is in flight at once (the kernel is latency-bound: loads issued after a block's reduction
+    # would wait for it).
     q_blocks = ()
     for b in tl.static_range(NQB):
         q_blocks = q_blocks + (_load_heads(q_src + b * QB * stride_qh, stride_qh, H - b * QB, half, QB, HALF_P),)

@@ -3,7 +3,7 @@
 Used by the router's top-k renormalisation (`w / w.sum(-1)` over the top_k gate weights in
 `routing.gate_weights`), which is summed by ATen's `Reduce.cuh` kernel, whose order depends on the
 row length N and the number of rows R (the launch configuration is picked from both). A kernel that
-sums in any other order can differ from the reference in the last FP32 bit. (The norms no longer
+sums in any other order can differ from the reference in the last FP32 bit. (The norms do not
 need this: `numerics.sum_of_squares` sums in FP64, which is order-free.) The emulated order:
 
 - config (`setReduceConfig`): rows of 128 or more are read as 4-wide vectors (vec=4, dim0 = N/4),
@@ -13,8 +13,8 @@ need this: `numerics.sum_of_squares` sums in FP64, which is order-free.) The emu
   vec=4: 4t + 4bw*i + j, vec=1: t + bw*(4i + j); then ((a0 + a1) + a2) + a3;
 - block_x_reduce: halving, c[t] += c[t + off] for off = bw/2, bw/4, ..., 1 (shared memory above a
   warp, shuffles inside it); lane 0 holds the sum;
-Read off torch 2.11 on an H200 (scripts/diag_sum_order.py brute-forces the candidate orders against
-`x.pow(2).mean(-1)`; older releases vectorised only above 128 and paired adjacent warp lanes).
+This is torch 2.11's order on an H200 (found by checking candidate orders against `x.pow(2).mean(-1)`
+bit for bit; other torch releases may order differently).
 Configurations the emulation does not model (a warp split, when N / bw >= 256 or >= 16 * block
 height, e.g. N >= 8192; a vector tail, N >= 128 with N % 4 != 0) raise.
 """

@@ -3,10 +3,10 @@
 Numerics contract: the logits are `routing.router_logits`'s, x @ W^T accumulated in FP64 and rounded
 once to FP32, and the top-k epilogue is `routing.select_experts` / `replay_experts` bit for bit.
 
-Why FP64: on an H200 the vLLM Beam model built with these kernels and the same model built from
-plain PyTorch ops diverged from the 3rd generated token on (log-prob differences up to 0.15): FP32
-GEMMs that sum in different orders (this kernel's split-K, cuBLAS's blocking) give logits that differ
-in the last bits, which flips near-tied expert choices, and the whole sequence follows. An FP64
+Why FP64: FP32 GEMMs that sum in different orders (a split-K kernel, cuBLAS's blocking) give logits
+that differ in the last bits, which flips near-tied expert choices; a generated sequence then follows
+the flipped expert, so two engines with differently ordered FP32 routers do not generate the same
+tokens. An FP64
 accumulation rounded once is order independent in practice (below), so every engine that computes
 the logits this way agrees: this kernel, `routing.router_logits` (the trainer's router) on any
 device, and so `rollout/ops.route` without the fused kernels (BEAM_RL_FUSED_KERNELS=0).
@@ -38,11 +38,9 @@ prefill cuBLAS is the faster FP64 GEMM: 16384 x 5120 x 256 is 21.5 G FMA (43 GFL
 H200's 67 TFLOP/s FP64 tensor-core rate, 1.3 ms at its 34 TFLOP/s FP64 FMA rate (the bound of a
 non-MMA kernel); its price is the FP64 copy of x (671 MB written and read, ~0.3 ms). At decode the
 cost is the weights: 5.24 MB of FP32 W read once = 1.2 us at 4.3 TB/s; 64 tokens are 84 M FMA
-(168 MFLOP) = 2.5 us at the tensor-core rate, 4.9 us at the FMA rate. Measured on the H200 with
-Triton 3.6 in CUDA graphs (docs/benchmarks.md): 11.6 / 13.0 / 26.5 us at 1 / 8 / 64 tokens, against
-68 / 81 / 87 us for cuBLAS FP32 GEMM + PyTorch top-k and 79 / 82 / 92 us for the reference (cuBLAS
-DGEMM + PyTorch top-k). The first FP64 version summed each K tile with tl.sum inside the loop
-(FP64 lane shuffles; 120 us at 64 tokens).
+(168 MFLOP) = 2.5 us at the tensor-core rate, 4.9 us at the FMA rate (rooflines, not measurements).
+Measured times, against cuBLAS FP32 GEMM + PyTorch top-k and against the reference (cuBLAS DGEMM +
+PyTorch top-k): docs/results/kernels.md, "Router".
 """
 
 import os
@@ -58,10 +56,9 @@ from ._triton_compat import LAUNCH_OPTS, libdevice, tl, triton, use_triton
 from .reduce_order import _block_x_tree, _combine4, cuda_sum_config
 
 # Up to this many tokens the split-K Triton GEMM runs; above it `routing.router_logits` (cuBLAS DGEMM)
-# computes the logits. Either way they are the reference's FP64-accumulated logits. H200, 5120 x 256,
-# route + top-k in CUDA graphs, one run (bench_kernels router_5120x256 vs router_5120x256_dgemm): Triton
-# 15.9 / 20.5 / 27.5 us at 1 / 8 / 64 tokens, DGEMM 23.8 / 25.2 / 29.2; the Triton time grows with the
-# tokens and the DGEMM's hardly does, so above 64 the DGEMM path is taken.
+# computes the logits. Either way they are the reference's FP64-accumulated logits. The threshold comes
+# from bench_kernels' router_5120x256 and router_5120x256_dgemm rows (docs/results/kernels.md): the Triton
+# GEMM's time grows with the tokens and the DGEMM's hardly does.
 TRITON_GEMM_MAX_TOKENS = 64
 
 
@@ -100,8 +97,8 @@ def _router_gemm_kernel(x_ptr, w_ptr, part_ptr, T, K, E, stride_xt, stride_we, K
             k += BLOCK_K
     else:
         # [BLOCK_E, BLOCK_K] tiles of W; one FP64 FMA per product into a [BLOCK_T, BLOCK_E, BLOCK_K]
-        # accumulator, summed over K once after the loop (a tl.sum over K inside the loop spreads K over
-        # lanes and costs FP64 shuffles per tile: 2819 PTX lines per iteration against 148 at 16x64x8).
+        # accumulator, summed over K once after the loop (a tl.sum over K inside the loop would spread K
+        # over lanes and cost FP64 shuffles on every tile).
         # The next tiles are loaded before this tile's FMAs, so their latency overlaps the arithmetic; the
         # last prefetch reads the next split's first tile (or masks past K) and is not used.
         acc3 = tl.zeros([BLOCK_T, BLOCK_E, BLOCK_K], dtype=tl.float64)
@@ -178,8 +175,8 @@ TOPK_WARPS = 4  # the top-k program's warps unless a RouterLaunch says otherwise
 
 class RouterLaunch(NamedTuple):
     """The GEMM's tile and warps and the top-k program's warps, overriding the defaults
-    (`bench_kernels.py --tune` sweeps them). The top-k keeps 4 warps: on the H200 one warp was slower
-    (15.9 against 12.1 us at 1 token, 20.6 against 16.0 at 8; 5120 x 256)."""
+    (`bench_kernels.py --tune` sweeps them). The top-k program keeps 4 warps, which `--tune` finds faster
+    than one on the H200."""
 
     block_t: int
     block_e: int
@@ -198,8 +195,8 @@ def _gemm_config(tokens: int, hidden: int, experts: int, split_k: int | None, us
     elif use_dot:  # 16-64 token rows (MMA tiles), 32-wide FP64 K tiles
         block_e = min(64, experts)
         block_t, block_k = max(16, min(64, triton.next_power_of_2(tokens))), 32
-    else:  # no padding to 16 rows; <= 8192 FP64 accumulators per program (64 a thread at 4 warps). From the
-        # H200 sweep (5120 x 256, bench_kernels --tune): 32-expert blocks beat 64 at 1-64 tokens, one warp at 1.
+    else:  # no padding to 16 rows; <= 8192 FP64 accumulators per program (64 a thread at 4 warps). Chosen with
+        # bench_kernels --tune on the H200 (5120 x 256): 32-expert blocks at 1-64 tokens, one warp at 1 token.
         block_e = min(32, experts)
         block_t = min(16, triton.next_power_of_2(tokens))
         block_k = 32 if block_t <= 4 else 16

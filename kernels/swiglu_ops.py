@@ -15,8 +15,7 @@ MAX_GRID_ROWS = 65535
 @triton.jit
 def _silu_and_mul_kernel(g_ptr, u_ptr, o_ptr, F, s_gt, s_ut, s_ot, BLOCK: tl.constexpr):
     # grid (feature blocks, rows): consecutive programs walk along a row, so the grid streams through memory
-    # in address order (prefill, H200: 467 us against 483 with rows first) without dividing the program id
-    # (a 1-D grid's pid // blocks_per_row cost 5-9% at decode sizes, 1-3% with a compile-time divisor)
+    # in address order, and no program divides its id (a 1-D grid would need pid // blocks_per_row)
     t = tl.program_id(1).to(tl.int64)
     f = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = f < F
@@ -58,8 +57,8 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor | None = None, *, o
     if out.numel() == 0:
         return out
     o2 = out.view(-1, width)
-    # H200 sweeps and races (2026-12-01): 2048 x 4 warps at prefill; at decode sizes (latency-bound) 1024 x 4
-    # warps, and 512 x 4 up to 8 tokens
+    # (block, warps), chosen with `bench_kernels.py --tune` on the H200: 2048 x 4 warps at prefill; at decode
+    # sizes (latency-bound) 1024 x 4 warps, and 512 x 4 up to 8 rows
     rows = o2.shape[0]
     block, warps = launch or ((2048, 4) if rows > 64 else (1024, 4) if rows > 8 else (512, 4))
     block = min(block, triton.next_power_of_2(width))

@@ -39,10 +39,8 @@ GRAPH_CALLS = 10
 
 
 # How the L2 is emptied before each timed call (`--flush`). triton's do_bench zeroes a 256 MB buffer: that leaves
-# the 50 MB L2 full of dirty lines, whose write-back then lands inside the timed kernel. The Q/K prefill kernel
-# (454 MB moved) took 142-250 us after such a flush against 116.4-116.9 us after reading the same buffer, in all
-# 32 passes of 4 processes on the H200 (docs/benchmarks.md, ninth session), and that was its "slow mode".
-# `read` sums the buffer instead: the same lines are evicted and the L2 is left clean.
+# the 50 MB L2 full of dirty lines, whose write-back then lands inside the timed kernel (the Q/K kernels are the
+# most sensitive to it). `read` sums the buffer instead: the same lines are evicted and the L2 is left clean.
 FLUSH_MODES = ("read", "zero")
 flush_mode = "read"
 _flush_buffer = None
@@ -101,8 +99,7 @@ def graph_bench(fn):
 
 def timed_alternately(fns, timer, rounds):
     """Median per function of `rounds` timings taken in turn (ours, eager, compile, ours, ...), so a drift of
-    the machine reaches every function alike (after do_bench's zeroing flush the Q/K kernels' prefill times
-    were bimodal on the lent H200, ~120 or ~210-240 us within one process); also the per-round lists.
+    the machine reaches every function alike; also the per-round lists.
     rounds=1 times each once."""
     times = [[] for _ in fns]
     for _ in range(rounds):
@@ -135,7 +132,7 @@ def frac_differing(a, b):
 
 # ---- cases: each returns (ours, reference, bytes moved) -----------------------------------------------
 # The norm cases also register FP32_FORMULA[kernel]: the same operation with the sum of squares in FP32
-# (`x.float().pow(2).mean(-1)`, beam-rl's reference before 2026-12-01 and what most PyTorch code writes).
+# (`x.float().pow(2).mean(-1)`, what most PyTorch code writes).
 # torch.compile of it is timed as a second baseline (`compile_fp32_us`): inductor makes the FP64 sum of
 # the reference slower than an FP32 one, and the FP32 formula is the baseline a user would compare to.
 FP32_FORMULA = {}
@@ -411,7 +408,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernels.json"))
     ap.add_argument("--flush", choices=FLUSH_MODES, default="read",
                     help="empty the L2 before each timed call by reading a 256 MB buffer (default: leaves it clean) or "
-                         "by zeroing it as triton's do_bench does (leaves it dirty; the earlier sessions' rows)")
+                         "by zeroing it as triton's do_bench does (leaves it dirty)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time ours / eager / compile in turn this many times and report medians (per-round times in the JSON)")
     args = ap.parse_args()
@@ -437,9 +434,8 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
             _dump(args.out, rows)
-    # the allocator's setting and the flush are part of the result: after do_bench's zeroing flush the Q/K
-    # prefill rows ran slow in some processes (docs/benchmarks.md, "Ninth session (2026-12-01): the Q/K
-    # slow mode is the flush's dirty L2")
+    # the allocator's setting and the flush are part of the result: a dirty L2 (do_bench's zeroing flush)
+    # slows some kernels' timed calls
     meta = dict(device=torch.cuda.get_device_name(), copy_bandwidth_TBps=copy_bw / 1e12, torch=torch.__version__,
                 triton=triton.__version__, command=" ".join(["python"] + sys.argv),
                 cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"), l2_flush=flush_mode)

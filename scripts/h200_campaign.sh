@@ -21,7 +21,6 @@
 #   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096, bf16 / lora / mxfp8-emulated
 #   bench_rollout  scripts/bench_rollout.py: fused / compiled / eager builds, CUDA graphs
 #   bench_kernels  scripts/bench_kernels.py (all kernels; BENCH_KERNELS_ARGS, e.g. "--tune --only boundary")
-#   qk_slow_mode   scripts/diag_qk_slow_mode.py in 4 fresh processes (Q/K prefill after a dirty, a clean and no L2 flush)
 #   gap            scripts/gap_h200.sh (bf16, lora, mxfp8; then gap_sources.py)
 #   gap_trained    scripts/pretrain_bytes.py (beam-mini as a byte LM on the stdlib, $PRETRAIN_S s), then
 #                  gap_h200.sh on that checkpoint with held-out prompts (MODES, default "bf16 lora")
@@ -54,7 +53,6 @@ stage_cmd() {
     bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes bf16 lora mxfp8-emulated" ;;
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs ${BENCH_ROLLOUT_ARGS:-}" ;;
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json ${BENCH_KERNELS_ARGS:-}" ;;
-    qk_slow_mode) echo "for i in 1 2 3 4; do python3 $REPO/scripts/diag_qk_slow_mode.py; done" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
     gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' WORK=$WORK SOURCES=0 bash $REPO/scripts/gap_h200.sh" ;;
     dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200" ;;

@@ -241,7 +241,7 @@ def test_torch_compile_keeps_the_numerics(tiny_checkpoint, tiny_vllm):
 
 def test_one_kv_cache_group_keeps_the_sliding_window(tiny_checkpoint, tiny_vllm, tiny_config):
     """`disable_hybrid_kv_cache_manager=True` (one KV-cache group: fewer host steps per decode, full-length
-    KV for the sliding layers; docs/benchmarks.md) still gives the sliding layers their window through
+    KV for the sliding layers) still gives the sliding layers their window through
     the attention layer: identical tokens and log-probs to the default hybrid engine, on sequences
     several windows long."""
     llm = LLM(model=str(tiny_checkpoint), skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,

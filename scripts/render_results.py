@@ -1,0 +1,391 @@
+"""Render the results pages, docs/results/*.md, and the README's results block from the data in docs/bench/.
+
+    python scripts/render_results.py            # rewrite the pages (after a new benchmark run)
+    python scripts/render_results.py --check    # write nothing; exit 1 naming each page that differs
+
+Each data file carries its provenance as fields, `command` `via` `date` `device` `commit` (and `numerics` where
+the code's numerics differ from the current contract): top-level keys of a benchmark's JSON, keys of each row
+(kernels.json), of each record (`{"records": [{"table": ..., ...}]}`), or a `{"provenance": ...}` first line
+of a .jsonl file. A missing field renders as "not recorded"; every table names the sources of its rows.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable, Union
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH, PAGES, README = ROOT / "docs" / "bench", ROOT / "docs" / "results", ROOT / "README.md"
+NR = "not recorded"
+PROV = ("command", "via", "date", "device", "commit", "numerics")
+BARS = {"bf16": 0.005, "lora": 0.005, "mxfp8": 0.015}  # R3-on mean |delta logprob| bars (issue 6)
+BEGIN, END = "<!-- results: rendered by scripts/render_results.py -->", "<!-- /results -->"
+Rec = dict[str, Any]
+Page = tuple[str, str, str]  # markdown body, headline for the index and the README, "device, date"
+Col = tuple[str, Union[str, Callable[[Rec], Any]], str]  # header, field or getter, format spec ("" = as is)
+
+INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the index, intro)
+    "kernels": ("Kernels", "Triton kernels vs their PyTorch references: time, bandwidth, bit-exactness",
+                "Beam's Triton kernels (`beam_rl.kernels`) against their PyTorch references (`beam_rl.model.numerics`, "
+                "`beam_rl.model.routing`), eager and under torch.compile, at Beam-1.0's shapes. Decode sizes (1, 8, 64 "
+                "tokens) are CUDA-graph replays, time per call; prefill (8x2048) is the median of single calls, each "
+                "from a clean L2. `BW frac`: bytes moved per second over the copy bandwidth of the same run; `exact`: "
+                "bit-identical to the eager reference (router: same ids); `compile FP32`: compile of the norms with an "
+                "FP32 sum of squares (`x.float().pow(2).mean(-1)`), which differs from the contract's FP64 sum. SwiGLU "
+                "and the gate can pass 1: they read more bytes than they write, which HBM serves faster than a copy."),
+    "rollout": ("Rollout", "vLLM rollout: speed of three builds, parity with the reference (GPU and CPU)",
+                "beam-rl's vLLM model on seeded random `beam-mini` (12 layers, hidden 1024, 64 experts, top-8) in "
+                "three builds, each in its own process: `fused` (beam-rl's Triton kernels), `compiled` (the "
+                "plain-PyTorch reference under vLLM's torch.compile), `eager` (the same, not compiled). Decode: batch "
+                "1; prefill: 8 x 2048 tokens. At this size a decode step is bound by vLLM's host work, so a fixed "
+                "CPython workload (the python probe) is timed before and after every repeat. Not measured on the H200 "
+                "yet: tensor parallelism (`h200_campaign.sh tp2`) and decode with several requests in flight."),
+    "trainer": ("Trainer", "Megatron-Core model: parity with the reference, training step speed",
+                "The Megatron-Core Beam model (`beam_rl/megatron/`) against the reference model, and one training step "
+                "(forward with R3 replay of random expert ids, backward of a log-prob loss, SGD). MFU: 6 x active "
+                "parameters x tokens + attention over 989 TFLOP/s; the local spec runs the experts as small GEMMs."),
+    "gap": ("R3 log-prob gap", "R3 log-prob gap, trainer vs rollout, R3 on and off, per mode",
+            "Mean |log p(trainer) - log p(rollout)| over sampled tokens (`beam-rl gap`): the trainer replays the "
+            "rollout's experts (R3 on) or routes itself (R3 off). `extreme`: tokens with |d| > ln 2. Bars, R3 on: "
+            "0.005 (bf16, lora), 0.015 (mxfp8: the trainer's emulated MXFP8 against the BF16 rollout). LoRA: rank 8, "
+            "alpha 16, random B ~ N(0, 0.05). Design: [r3.md](../r3.md)."),
+    "dapo": ("DAPO", "DAPO runs: rewards, held-out avg@8, per-step R3 gap, resume",
+             "`beam-rl dapo`: a supervised warm start, then DAPO with R3 and verified weight sync after every step, "
+             "engine and trainer in one process. Held-out avg@8 is on problems the run never trains on; the R3 gap is "
+             "the per-step mean |trainer - rollout log-prob| of the training batch."),
+    "sync": ("Weight sync", "weight sync in the DAPO loop, in-place reload of running engines",
+             "New weights into a running vLLM engine, every tensor's checksum as received compared with the sender's: "
+             "the DAPO loop's per-step sync and in-place reloads A -> B -> A. `beam-rl sync --strategy nccl` to a "
+             "server on another GPU is not measured yet."),
+}
+
+
+def load(name: str) -> Any:
+    return json.loads((BENCH / name).read_text())
+
+
+def jsonl(name: str) -> tuple[Rec, list[Rec]]:
+    """(header, rows) of a .jsonl file; a first line {"provenance": ...} applies to every row."""
+    lines = [json.loads(line) for line in (BENCH / name).read_text().splitlines() if line.strip()]
+    head = lines.pop(0) if lines and "provenance" in lines[0] else {}
+    return head, [{**head.get("provenance", {}), **row} for row in lines]
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return (spec.format(value) if spec and isinstance(value, (int, float)) else str(value)).replace("|", "\\|")
+
+
+def cols(*specs: str | Col) -> list[Col]:
+    """Columns from "header=field:format" strings ("field" alone: the header is the field)."""
+    out: list[Col] = []
+    for s in specs:
+        if isinstance(s, tuple):
+            out.append(s)
+            continue
+        head, eq, rest = s.partition("=")
+        key, _, spec = (rest if eq else head).partition(":")
+        out.append(((head if eq else key).replace("|", "\\|"), key, "{:" + spec + "}" if spec else ""))
+    return out
+
+
+def prov(r: Rec) -> tuple[Any, ...]:
+    return tuple(r.get(k) for k in PROV)
+
+
+def source(p: tuple[Any, ...]) -> str:
+    r = dict(zip(PROV, p))
+    cmd = r["command"] or NR
+    text = "Command: " + (cmd if cmd.startswith(NR) else f"`{cmd}`") + (f" (via `{r['via']}`)" if r["via"] else "")
+    text += f". Date: {r['date'] or NR}. Device: {r['device'] or NR}. Commit: {r['commit'] or NR}."
+    return text + (f" Numerics: {r['numerics']}." if r["numerics"] else "")
+
+
+def table(title: str, rows: list[Rec], columns: list[Col], note: str = "", sources: list[Rec] | None = None) -> str:
+    """A titled markdown table under the provenance of its rows (or of `sources`, when derived from them)."""
+    srcs = list(dict.fromkeys(prov(r) for r in (sources or rows)))
+    many = len(srcs) > 1
+    out = [f"### {title}", ""] + [(f"[{i + 1}] " if many else "") + source(s) + ("  " if many else "")
+                                  for i, s in enumerate(srcs)] + [""]
+    if many and sources is None:
+        columns = columns + [("source", lambda r: f"[{srcs.index(prov(r)) + 1}]", "")]
+    out += ["| " + " | ".join(h for h, _, _ in columns) + " |",
+            "| " + " | ".join("---:" if f else "---" for _, _, f in columns) + " |"]
+    out += ["| " + " | ".join(fmt(g(r) if callable(g) else r.get(g), f) for _, g, f in columns) + " |" for r in rows]
+    return "\n".join(out + ([""] + [note] if note else []) + [""])
+
+
+def kv_table(title: str, base: Rec, pairs: list[tuple[str, Any]]) -> str:
+    """A (measure, value) table under `base`'s provenance."""
+    return table(title, [{**base, "measure": k, "value": v} for k, v in pairs], cols("measure", "value"))
+
+
+def record_tables(name: str, only: tuple[str, ...] = ()) -> list[str]:
+    """The tables of a records file, as its "tables" key describes them (title, header -> "field:format")."""
+    d = load(name)
+    out = []
+    for key, t in d["tables"].items():
+        rows = [r for r in d["records"] if r.get("table") == key]
+        if rows and (not only or key in only):
+            columns = cols(*(f"{h}={f}" for h, f in t["columns"].items()))
+            out.append(table(t["title"].format_map(rows[0]), rows, columns))
+    return out
+
+
+def span(values: list[float], spec: str) -> str:
+    lo, hi = spec.format(min(values)), spec.format(max(values))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def check(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def where(*recs: Rec) -> str:
+    devices = dict.fromkeys("H200" if "H200" in str(r.get("device")) else "CPU" for r in recs)
+    return ", ".join(devices) + ", " + " / ".join(sorted({str(r.get("date") or NR) for r in recs}))
+
+
+# ---- pages --------------------------------------------------------------------------------------------------
+def kernel_rows() -> list[Rec]:
+    rows = load("kernels.json")
+    for r in rows:
+        r["device"] = (f"{r['device']} (torch {r['torch']}, Triton {r['triton']}; copy bandwidth "
+                       f"{r['copy_bandwidth_TBps']:.2f} TB/s; L2 flush: {r['l2_flush']})")
+    return rows
+
+
+def kernels_page() -> Page:
+    rows = kernel_rows()
+    mem = [r for r in rows if not r["kernel"].startswith("router")]
+    router = [r for r in rows if r["kernel"].startswith("router")]
+    differ = lambda r: "yes" if r["compile_exact"] else f"no ({r['compile_differing_fraction']:.2g})"  # noqa: E731
+    kcols = cols("kernel", "tokens=size", "ours us=time_us:.2f", "eager us=eager_us:.2f", "compile us=compile_us:.2f",
+                 "x eager=speedup_vs_eager:.2f", "x compile=speedup_vs_compile:.2f",
+                 "compile FP32 us=compile_fp32_us:.2f", "x compile FP32=speedup_vs_compile_fp32:.2f",
+                 "BW frac=bandwidth_fraction:.3f", "exact", ("compile exact", differ, ""))
+    parts = []
+    for cmd in dict.fromkeys(r["command"] for r in mem):
+        group = [r for r in mem if r["command"] == cmd]
+        names = ", ".join(dict.fromkeys(r["kernel"] for r in group))
+        parts.append(table(f"Memory-bound kernels: {names}", group, kcols))
+    parts.append(table("Router: FP64-accumulated GEMM + grouped top-k (`_dgemm`: logits from cuBLAS DGEMM, the path "
+                       "above 64 tokens)", router, cols(
+        "router=kernel", "tokens=size", "ours us=time_us:.2f", "reference us=eager_us:.2f", "compile us=compile_us:.2f",
+        "cuBLAS FP32 + top-k us=fp32_cublas_us:.2f", "x reference=speedup_vs_eager:.2f",
+        "x compile=speedup_vs_compile:.2f", "x cuBLAS FP32=speedup_vs_fp32_cublas:.2f", "ids exact=exact"),
+        "Reference: cuBLAS DGEMM of the FP64 copies + PyTorch grouped top-k (the contract's logits). cuBLAS FP32: "
+        "FP32 GEMM in cuBLAS's summation order + PyTorch top-k (not the contract's logits)."))
+    prefill = [r for r in mem if r["size"] == "8x2048"]
+    least = [(">= 3x eager", [r["speedup_vs_eager"] for r in rows], 3, "{:.2f}x"),
+             ("router >= 2x cuBLAS FP32 + top-k", [r["speedup_vs_fp32_cublas"] for r in router
+                                                   if not r["kernel"].endswith("_dgemm")], 2, "{:.2f}x"),
+             (">= 90% of copy bandwidth at prefill", [r["bandwidth_fraction"] for r in prefill], 0.9, "{:.1%}"),
+             ("never > 5% slower than torch.compile", [r["speedup_vs_compile"] for r in rows], 1 / 1.05, "{:.2f}x"),
+             ("bit-exact", [float(r["exact"]) for r in rows], 1, "{:.0%}")]
+    goals = [dict(goal=g, least=spec.format(min(v)), status=check(min(v) >= bar)) for g, v, bar, spec in least]
+    parts.append(table("Goals (issue 3): the least value over the rows above", goals,
+                       cols("goal", "least", "status"), sources=rows))
+    r5 = " / ".join(f"{r['time_us']:.1f}" for r in router if r["kernel"] == "router_5120x256")
+    return ("\n".join(parts + record_tables("kernels_gpu_tests.json")),
+            f"bit-exact in {sum(r['exact'] for r in rows)} of {len(rows)} rows; memory-bound kernels at "
+            f"{span([r['bandwidth_fraction'] for r in prefill], '{:.0%}')} of copy bandwidth at 8x2048 prefill; "
+            f"5120 x 256 router {r5} us at 1 / 8 / 64 tokens", where(*rows))
+
+
+def rollout_page() -> Page:
+    d = load("rollout_speed.json")
+    b = [{**d["builds"][n], **{k: d.get(k) for k in PROV}, "build": n} for n in ("fused", "compiled", "eager")]
+    for r in b:
+        for k in ("decode", "prefill"):
+            r[f"{k}_nominal"] = d[f"{k}_ms_nominal_host_{r['build']}"]
+            r[f"{k} repeats kept"] = "{} / {}".format(*d[f"{k}_nominal_host_repeats_{r['build']}"])
+        r["python probe ms by round"] = ", ".join(f"{v:.3g}" for v in r["python_probe_ms_by_round"])
+    goals: list[Rec] = []
+    for phase, other, bar in (("decode", "eager", 2.5), ("decode", "compiled", 1.3), ("prefill", "eager", 1.8),
+                              ("prefill", "compiled", 1.05)):
+        goals.append({"goal": f"{phase} >= {bar}x {other}"})
+        for m, key in (("wall clock", "{}_ms_{}"), ("nominal host", "{}_ms_nominal_host_{}"),
+                       ("GPU", "{}_gpu_ms_{}")):
+            slow, fast = d[key.format(phase, other)], d[key.format(phase, "fused")]
+            goals[-1][m] = f"{slow / fast:.2f}x {check(slow / fast >= bar)}" if slow and fast else None
+    p = load("rollout_parity.json")
+    share = p["free_running_shared_greedy_tokens"]
+    x = lambda k: ", ".join(f"{d[k.format(o)] / d[k.format('fused')]:.2f}x {o}" for o in ("eager", "compiled"))
+    return ("\n".join([
+        table(f"Speed of the three builds (medians over {d['rounds']} rounds of fresh processes)", b, cols(
+            "build", "decode ms/step=decode_ms:.3f", "engine step median ms=decode_step_ms_median:.3f",
+            "decode GPU ms/step=decode_gpu_ms:.3f", "kernels/step=decode_kernels_per_step:.0f",
+            "prefill ms=prefill_ms:.1f", "prefill GPU ms=prefill_gpu_ms:.1f", "python probe ms by round"),
+            f"Fused greedy tokens equal eager's: {fmt(d['fused_equals_eager_tokens'])}; log-probs: "
+            f"{fmt(d['fused_equals_eager_logprobs'])}; the same every round: {fmt(d['same_outputs_every_round'])}; "
+            f"compiled log-probs equal eager's: {fmt(d['compiled_equals_eager_logprobs'])}."),
+        table(f"At the host's nominal speed (repeats whose probes are both under {d['nominal_host_threshold_ms']:.2f}"
+              " ms)",
+              b, cols("build", "decode ms/step=decode_nominal:.3f", "decode repeats kept",
+                      "prefill ms=prefill_nominal:.1f", "prefill repeats kept")),
+        table("Goals (issue 4): fused against the other builds (wall clock: medians over rounds; GPU: GPU time)",
+              goals, cols("goal", "wall clock", "nominal host", "GPU"), sources=[d]),
+        kv_table(f"Parity with the reference on the H200 ({len(share)} prompts of {p['prompt_lengths']})", p, [
+            ("vLLM's `routed_experts` vs beam-rl's capture", "identical" if p["capture_paths_identical"] else "differ"),
+            ("reference replaying the captured routing: mean / max |delta logprob|",
+             f"{p['mean_abs_logprob_diff_replay']:.4f} / {p['max_abs_logprob_diff_replay']:.3f}"),
+            ("greedy choice equal where the reference's top-2 margin > 0.05", "{} / {}".format(
+                round(p["greedy_agreement_clear_margin"] * p["clear_margin_positions"]), p["clear_margin_positions"])),
+            ("router disagreement, reference without replay", f"{p['router_disagreement_no_replay']:.0%}"),
+            (f"free-running greedy tokens shared with the reference (of {p['free_running_tokens']})",
+             f"{min(share)}-{max(share)} per prompt"), ("tokens compared", p["num_tokens"])]),
+        *record_tables("rollout_parity_cpu.json")]),
+            f"fused batch-1 decode step: {d['decode_gpu_ms_fused']:.2f} ms GPU time ({x('decode_gpu_ms_{}')}); "
+            f"{d['decode_ms_fused']:.2f} ms wall clock ({x('decode_ms_{}')})", where(d))
+
+
+def trainer_page() -> Page:
+    _, speed = jsonl("train_speed.jsonl")
+    meg = load("trainer_parity.json")["records"][0]
+    return ("\n".join(record_tables("trainer_parity.json") + [
+        table(f"Training step speed, {speed[0]['preset']}, {speed[0]['tokens_per_step']} tokens per step", speed,
+              cols("mode", "step s=step_s:.3f", "tokens/s=tokens_per_s:,.0f", "MFU=mfu:.1%",
+                   "peak memory GiB=max_mem_gib:.1f"),
+            "lora: rank 16, base frozen. mxfp8-emulated: BF16 GEMMs on quantise-dequantised operands.")]),
+            f"parity test: {meg['outcome']}; bf16 step {speed[0]['step_s']:.2f} s for "
+            f"{speed[0]['tokens_per_step']} tokens ({speed[0]['tokens_per_s']:,.0f} tokens/s)", where(meg, speed[0]))
+
+
+def gap_rows(folder: str) -> list[Rec]:
+    rows = []
+    for mode, bar in BARS.items():
+        d = load(f"{folder}/{mode}.json")
+        for s in ("r3_on", "r3_off"):
+            ok = d[s]["mean_abs_logprob_diff"] <= bar
+            rows.append({**d, **d[s], "r3": s[3:], "bar": f"{check(ok)} (<= {bar})" if s == "r3_on" else ""})
+        if "lora_effect_mean_abs_logprob" in d:
+            rows.append({**d, "r3": "adapter's own effect",
+                         "mean_abs_logprob_diff": d["lora_effect_mean_abs_logprob"]})
+    return rows
+
+
+def gap_page() -> Page:
+    tr, rnd = "gap_trained_beam_mini", "gap_random_beam_mini"
+    gcols = cols("mode", "R3=r3", "mean |d|=mean_abs_logprob_diff:.2e", "max |d|=max_abs_logprob_diff:.3g",
+                 "extreme=extreme_token_fraction:.3%", "router disagreement=router_disagreement:.2%",
+                 "seq KL k3=seq_kl_k3:.2g", "tokens=num_tokens", "bar")
+    src = load(f"{rnd}/sources.json")
+    srows = [{**src, "trainer": k, **v} for k, v in src["trainers"].items()]
+    files = lambda f: f"Per mode: [{f}/](../bench/{f}/); histogram: [bf16.png](../bench/{f}/bf16.png)."  # noqa: E731
+    on = {m: load(f"{tr}/{m}.json") for m in BARS}
+    return ("\n".join([
+        "## beam-mini (64 sequences x 512 sampled tokens)", "",
+        table("Trained beam-mini (a byte-level LM; held-out prompts)", gap_rows(tr), gcols, files(tr)),
+        table("Its pre-training (`scripts/pretrain_bytes.py`)", [load(f"{tr}/pretrain_bytes.json")], cols(
+            "corpus", "batch", "optimizer", "steps", "seconds=train_s:.1f", "bytes=tokens:,",
+            "final train loss=final_train_loss:.3f", "held-out loss, nats/byte=heldout_loss:.3f")),
+        table("Random beam-mini (seeded; near-uniform predictions amplify any last-bit difference with depth)",
+              gap_rows(rnd), gcols, files(rnd)),
+        table(f"Random beam-mini: one bf16 rollout, several trainers "
+              f"([sources.json](../bench/{rnd}/sources.json))",
+              srows, cols("trainer (replaying the rollout's routing)=trainer", "mean |d|=mean_abs_logprob_diff:.2e",
+                          "max |d|=max_abs_logprob_diff:.2e", "mean d=mean_logprob_diff:+.1e")),
+        *record_tables("gap_cpu.json", ("sublayer_trace",)), "## beam-tiny on CPU", "",
+        *record_tables("gap_cpu.json", ("ci", "by_mode", "sources", "attention", "lora", "lora_modules"))]),
+            "trained beam-mini, R3 on: " + ", ".join(f"{m} {g['r3_on']['mean_abs_logprob_diff']:.1e}"
+                                                    for m, g in on.items())
+            + " (bars " + " / ".join(map(str, BARS.values())) + ")", where(*on.values()))
+
+
+def dapo_run() -> tuple[Rec, list[Rec], list[Rec]]:
+    """(summary with provenance, step rows, held-out rows) of the H200 DAPO run."""
+    head, rows = jsonl("dapo_mini_h200.jsonl")
+    return ({**head["provenance"], **head["summary"]}, [r for r in rows if "reward_mean" in r],
+            [r for r in rows if "heldout_avg8" in r])
+
+
+def dapo_page() -> Page:
+    run, steps, held = dapo_run()
+    gap = span([r["mean_abs_logprob_diff"] for r in steps], "{:.2e}")
+    return ("\n".join([
+        kv_table(f"beam-mini on one H200 (`recipes/mini-h200.yaml`), {len(steps)} DAPO steps", run, [
+            ("warm start", f"{run['warm_start_steps']} supervised steps, {run['warm_start_s']} s, loss "
+                           f"{run['warm_start_loss_first']} -> {run['warm_start_loss_last']}"),
+            ("held-out avg@8", ", ".join(f"{r['heldout_avg8']:.3f} (step {r['step']})" for r in held)),
+            ("reward mean", f"{steps[0]['reward_mean']:.3f} (first step) -> {steps[-1]['reward_mean']:.3f} (last)"),
+            ("R3 gap per step, mean |d|", gap + " (bound 0.01)"),
+            ("wall time, engine start and warm start included", f"{run['total_s']} s")]),
+        table("Per step (64 prompts x 16 samples, up to 8 response tokens, up to 4 generation rounds, 2 updates)",
+              steps, cols("step", "reward mean=reward_mean:.3f", "accuracy:.3f",
+                          "kept groups=kept_group_fraction:.0%", "gen. rounds=generation_rounds",
+                          "rollout s=rollout_s:.1f", "train s=train_s:.1f",
+                          "sync s=sync_s:.1f", "step s=time_s:.1f", "mean |d| (R3)=mean_abs_logprob_diff:.2e",
+                          "max |d|=max_abs_logprob_diff:.1e"),
+              "Every step's metrics: [dapo_mini_h200.jsonl](../bench/dapo_mini_h200.jsonl)."),
+        *record_tables("dapo_tiny_cpu.json")]),
+            f"beam-mini, {len(steps)} steps: held-out avg@8 {held[0]['heldout_avg8']:.3f} -> "
+            f"{held[-1]['heldout_avg8']:.3f}, R3 gap {gap} per step", where(run))
+
+
+def sync_page() -> Page:
+    run, steps, _ = dapo_run()
+    p = load("weight_reload.json")["records"][0]
+    sync = [r["sync_s"] for r in steps]
+    return ("\n".join([
+        kv_table(f"Per-step sync in the DAPO loop, beam-mini on one H200 ({len(steps)} steps)", run, [
+            ("seconds per step", f"{span(sync, '{:.1f}')} (median {statistics.median(sync):.1f})"),
+            ("MB/s", span([r["sync_mb_per_s"] for r in steps], "{:.0f}")),
+            ("payload", f"{run['sync_payload_gib']} GiB"),
+            ("vLLM's reload", run["sync_vllm_reload"]), ("transport", run["sync_transport"])]),
+        *record_tables("weight_reload.json")]),
+            f"DAPO per-step sync {span(sync, '{:.1f}')} s; in-place reload of {p['tensors']} tensors in "
+            f"{p['seconds']} s, bit-identical after A -> B -> A", where(run, p))
+
+
+PAGE_FUNCS: dict[str, Callable[[], Page]] = {"kernels": kernels_page, "rollout": rollout_page,
+                                             "trainer": trainer_page, "gap": gap_page, "dapo": dapo_page,
+                                             "sync": sync_page}
+
+
+# ---- index, README block, main ----------------------------------------------------------------------------
+def render() -> dict[Path, str]:
+    pages = {n: fn() for n, fn in PAGE_FUNCS.items()}
+    heads = {n: page[1:] for n, page in pages.items()}
+    foot = "_Rendered by `python scripts/render_results.py` from [docs/bench/](../bench/): edit the data, re-render._"
+    out = {PAGES / f"{n}.md": f"# {INTRO[n][0]}\n\n{INTRO[n][2]}\n\n{body}\n{foot}\n"
+           for n, (body, *_) in pages.items()}
+    index = [f"| [{INTRO[n][0]}]({n}.md) | {INTRO[n][1]} | {heads[n][0]} ({heads[n][1]}) |" for n in PAGE_FUNCS]
+    out[PAGES / "README.md"] = ("# Results\n\nOne page per area, rendered from [docs/bench/](../bench/); every table "
+                                "names the command, date and device that produced it.\n\n| page | what | headline |\n"
+                                "| --- | --- | --- |\n" + "\n".join(index) + "\n")
+    block = [f"| [{INTRO[n][0]}](docs/results/{n}.md) | {heads[n][0]} | {heads[n][1]} |" for n in PAGE_FUNCS]
+    text = README.read_text()
+    if BEGIN in text and END in text:
+        out[README] = (text[: text.index(BEGIN) + len(BEGIN)] + "\n| area | headline | device, date |\n"
+                       "| --- | --- | --- |\n" + "\n".join(block) + "\n" + text[text.index(END):])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs from its rendering")
+    args = ap.parse_args(argv)
+    pages = render()
+    stale = [] if README in pages else [f"README.md lacks the markers {BEGIN} ... {END}"]
+    for path, text in pages.items():
+        if not args.check:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        elif not path.exists() or path.read_text() != text:
+            stale.append(f"{path.relative_to(ROOT)} differs from what the data renders")
+    for line in stale:
+        print(f"render_results: {line}; run `python scripts/render_results.py`", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
