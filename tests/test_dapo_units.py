@@ -1,6 +1,9 @@
 """DAPO pieces on hand-computed examples (no engines)."""
 
 import math
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +107,22 @@ def test_recipe_unknown_key_and_bad_values_name_the_field(tmp_path):
         recipe_from_dict({"dapo": {"loss": "ppo2"}})
     with pytest.raises(RecipeError, match="run.seed: expected a number"):
         recipe_from_dict({"run": {"seed": "zero"}})
+    for bad, message in (
+        ({"rollout": {"group_size": 2.5}}, "rollout.group_size: expected a number, a whole one"),
+        ({"rollout": {"sync_dir": 3}}, "rollout.sync_dir: expected a non-empty string"),
+        ({"rollout": {"eval_samples": 0}}, "rollout.eval_samples: must be >= 1"),
+        ({"rollout": {"kv_cache_gib": -1.0}}, "rollout.kv_cache_gib: must be > 0"),
+        ({"rollout": {"max_model_len": 8}}, r"rollout.max_model_len: 8 < the longest prompt \(5 tokens\) \+ rollout.max_response_tokens"),
+        ({"model": {"checkpoint": str(tmp_path / "none")}}, "model.checkpoint: .* has no config.json"),
+        ({"dapo": {"enable": True}}, "unknown recipe key 'dapo.enable'"),
+        ({"train": {"betas": [0.9]}}, r"train.betas: expected a list of 2 numbers"),
+    ):
+        with pytest.raises(RecipeError, match=message):
+            recipe_from_dict(bad)
+    assert recipe_from_dict({"train": {"lr": "1e-3"}}).train.lr == 1e-3  # YAML 1.1 reads 1e-3 as a string
+    (tmp_path / "broken.yaml").write_text("run:\n  seed: 1\n bad indent: 2\n")
+    with pytest.raises(RecipeError, match=r"broken.yaml: line 3, column 2 is not valid YAML"):
+        load_recipe(tmp_path / "broken.yaml")
     r = load_recipe("recipes/tiny-cpu.yaml")
     assert (r.dapo.eps_low, r.dapo.eps_high, r.dapo.kl_coef) == (0.2, 0.28, 0.0)
     assert load_recipe("recipes/mini-h200.yaml").model.preset == "beam-mini"
@@ -162,3 +181,92 @@ def test_metrics_resume_truncation_and_plot(tmp_path):
     assert {"reward_mean.png", "heldout_avg8.png", "mean_abs_logprob_diff.png"} <= names
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_run(tmp_path / "nothing")
+
+
+# -- run directories and checkpoints (nothing lost, nothing silent) --------------------------------
+
+def _save_ckpt(run_dir, step, run_id, tiny_config):
+    from beam_rl.dapo import checkpointing
+
+    tensors = {"w": torch.full((4,), float(step))}
+    return checkpointing.save(run_dir, step, tensors, tiny_config, {"run_id": run_id})
+
+
+def test_latest_falls_back_past_a_damaged_checkpoint(tmp_path, tiny_config):
+    from beam_rl.dapo import checkpointing
+
+    _save_ckpt(tmp_path, 1, "run-a", tiny_config)
+    second = _save_ckpt(tmp_path, 2, "run-a", tiny_config)
+    assert checkpointing.latest(tmp_path, "run-a") == second
+    with (second / "hf" / "model.safetensors").open("r+b") as f:  # one flipped byte in the weights
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    said = []
+    assert checkpointing.latest(tmp_path, "run-a", log=said.append) == checkpointing.checkpoint_dir(tmp_path, 1)
+    assert "step_000002" in said[0] and "differ from the checksums" in said[0]
+    # a checkpoint of another run is never resumed from
+    assert checkpointing.latest(tmp_path, "run-b", log=said.append) is None and "belongs to run run-a" in said[-1]
+
+
+def test_fresh_start_refuses_an_earlier_run_unless_told(tmp_path):
+    from beam_rl.dapo import rundir
+    from beam_rl.dapo.config import RecipeError
+
+    first = rundir.start_fresh(tmp_path, overwrite=False, recipe_dict={"a": 1})
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("the user's own file")
+    with pytest.raises(RecipeError, match="--resume to continue it or --overwrite"):
+        rundir.start_fresh(tmp_path, overwrite=False, recipe_dict={"a": 1})
+    assert (tmp_path / "metrics.jsonl").read_text()  # untouched
+    second = rundir.start_fresh(tmp_path, overwrite=True, recipe_dict={"a": 1})
+    assert second != first and rundir.run_id_of(tmp_path) == second
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    assert (tmp_path / "notes.txt").exists()  # only what a run writes is removed
+
+
+def test_resume_checks_recipe_and_metrics(tmp_path):
+    from beam_rl.dapo import rundir
+    from beam_rl.dapo.config import RecipeError, recipe_from_dict, recipe_to_dict
+
+    recipe = recipe_to_dict(recipe_from_dict({}))
+    rundir.start_fresh(tmp_path, overwrite=False, recipe_dict=recipe)
+    longer = recipe_to_dict(recipe_from_dict({"run": {"total_steps": 50}}))
+    rundir.check_same_recipe(tmp_path, longer)  # running longer is a resume
+    with pytest.raises(RecipeError, match=r"differs from the run's in \['train.lr'\]"):
+        rundir.check_same_recipe(tmp_path, recipe_to_dict(recipe_from_dict({"train": {"lr": 0.5}})))
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (0, 1, 2)))
+    rundir.check_metrics_reach(tmp_path, 2)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # truncated by an earlier mistake
+    with pytest.raises(RecipeError, match=r"lacks step\(s\) \[1, 2\]"):
+        rundir.check_metrics_reach(tmp_path, 2)
+
+
+def test_leftovers_of_killed_runs_are_removed(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from beam_rl.dapo import rundir
+
+    stale_tmp = tmp_path / "checkpoints" / ".step_000004.tmp-abc"
+    stale_tmp.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    gone = shm / f"{rundir.SHM_PREFIX}test-dead-{dead.pid}"
+    live = shm / f"{rundir.SHM_PREFIX}test-live-{os.getpid()}"
+    for d, pid in ((gone, dead.pid), (live, os.getpid())):
+        d.mkdir(exist_ok=True)
+        (d / rundir.OWNER_FILE).write_text(json.dumps({"pid": pid}))
+    try:
+        removed = rundir.clean_leftovers(tmp_path)
+        assert stale_tmp in removed and gone in removed and not stale_tmp.exists() and not gone.exists()
+        assert live.exists()  # its process is alive
+    finally:
+        for d in (gone, live):
+            shutil.rmtree(d, ignore_errors=True)

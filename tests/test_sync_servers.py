@@ -26,6 +26,7 @@ from beam_rl.model.checkpoint import save_checkpoint  # noqa: E402
 from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.cli import main  # noqa: E402
 from beam_rl.megatron.convert import hf_to_megatron  # noqa: E402
+from beam_rl.sync.base import SyncError  # noqa: E402
 from beam_rl.sync.run import sync_servers  # noqa: E402
 from beam_rl.sync.sources import full_update, megatron_update  # noqa: E402
 from beam_rl.model.weights import checkpoint_tensors  # noqa: E402
@@ -227,6 +228,66 @@ def test_eval_against_servers_writes_report(setup, tmp_path, capsys):
     assert json.loads((tmp_path / "eval" / "summary.json").read_text())["summary"]["n"] == 8
 
 
+def test_update_that_does_not_fit_is_refused_before_pausing(setup, tiny_config, tiny_vllm, tmp_path, capsys):
+    """A checkpoint of another shape: refused by the manifest check before any server is paused,
+    naming the server and the tensor; both servers keep serving what they served."""
+    other = tiny_config.__class__(**{**tiny_config.to_dict(), "moe_intermediate_size": 32})
+    save_checkpoint(build_model(other, seed=3), tmp_path / "other")
+    urls = setup["urls"]
+    before = [[t for t, _ in server_greedy(u)] for u in urls]
+    rc = main(["sync", *sum((["--server", u] for u in urls), []), "--hf", str(tmp_path / "other"), "--previous", str(setup["new"])])
+    err = capsys.readouterr().err
+    print(err)
+    assert rc == 1 and all(u in err for u in urls) and "nothing was paused" in err and "experts" in err
+    for u, want in zip(urls, before):
+        assert httpx.get(f"{u}/is_paused").json()["is_paused"] is False
+        assert [t for t, _ in server_greedy(u)] == want
+
+
+def test_server_error_mid_update_rolls_back_every_server(setup, tiny_vllm):
+    """A server answers an error in the middle of the update (a failed reload on the same kept-alive
+    connection): its state is asked anew, both servers are rolled back (verified) and resumed."""
+    urls = setup["urls"]
+    fresh_new = engine_greedy(tiny_vllm)  # what the servers serve now
+
+    def failing_reload_first(server):
+        if server.url == urls[0]:
+            with pytest.raises(SyncError):
+                server.collective_rpc("beam_reload_weights", "/nonexistent/checkpoint")
+
+    result = sync_servers(urls, full_update(setup["old"]), full_update(setup["new"]), before_apply=failing_reload_first)
+    print(result.describe())
+    assert result.ok  # the update itself then goes through on both, verified
+    result = sync_servers(urls, full_update(setup["new"]), full_update(setup["old"]))  # back to the new weights
+    assert result.ok
+
+    def corrupt_first(server):  # the update's files vanish for the first server only: its reload fails (500)
+        if server.url == urls[0]:
+            server.collective_rpc = _failing(server.collective_rpc)
+
+    result = sync_servers(urls, full_update(setup["old"]), full_update(setup["new"]), before_apply=corrupt_first)
+    print(result.describe())
+    assert not result.ok and list(result.errors) == [urls[0]]
+    assert sorted(result.rolled_back) == sorted(urls) and not result.left_paused and not result.unreachable
+    for u in urls:
+        assert httpx.get(f"{u}/is_paused").json()["is_paused"] is False
+        assert [t for t, _ in server_greedy(u)] == fresh_new
+
+
+def _failing(collective_rpc):
+    """The first `beam_reload_weights` goes to a directory that does not exist (the server answers
+    500); later calls (the rollback) go through."""
+    calls = []
+
+    def rpc(method, *args):
+        if method == "beam_reload_weights" and not calls:
+            calls.append(args)
+            return collective_rpc(method, "/nonexistent/checkpoint")
+        return collective_rpc(method, *args)
+
+    return rpc
+
+
 def test_server_killed_mid_sync_leaves_others_on_old_weights(setup, tiny_vllm, capsys):
     urls, procs = setup["urls"], setup["procs"]
     fresh_new = engine_greedy(tiny_vllm)  # what the servers serve now
@@ -239,6 +300,7 @@ def test_server_killed_mid_sync_leaves_others_on_old_weights(setup, tiny_vllm, c
     result = sync_servers(urls, full_update(setup["old"]), full_update(setup["new"]), before_apply=kill_second)
     print(result.describe())
     assert not result.ok and urls[1] in result.errors and result.rolled_back == [urls[0]] and not result.left_paused
+    assert result.unreachable == [urls[1]] and "UNREACHABLE" in result.describe()
     assert [t for t, _ in server_greedy(urls[0])] == fresh_new  # rolled back to (verified) previous weights, resumed
     # the CLI with the dead server: exits non-zero naming it; the live one keeps its weights
     rc = main(["sync", "--server", urls[0], "--server", urls[1], "--hf", str(setup["old"]), "--previous", str(setup["new"])])

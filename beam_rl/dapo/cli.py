@@ -30,7 +30,7 @@ def cmd_dapo(args) -> int:
         log_warnings_to(Path(out) / "engine.log")
     t0 = time.perf_counter()
     try:
-        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after, engine_log=not args.verbose)
+        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after, engine_log=not args.verbose, overwrite=args.overwrite)
     except R3GapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -55,7 +55,8 @@ def add_dapo_parser(sub) -> None:
     p = sub.add_parser("dapo", help="DAPO with R3 on one node (vLLM rollout + Megatron training + verified sync)")
     p.add_argument("--recipe", required=True, help="recipe YAML (see recipes/)")
     p.add_argument("--out", default=None, help="run directory (default: the recipe's run.out)")
-    p.add_argument("--resume", action="store_true", help="continue from the run directory's last complete checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from the run directory's last intact checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run's results in the run directory")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step, as if killed")
     p.add_argument("--verbose", action="store_true", help="engine logs and library warnings on the console (default: RUN_DIR/engine.log)")
     p.set_defaults(func=cmd_dapo)

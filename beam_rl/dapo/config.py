@@ -271,7 +271,7 @@ def _typed(value: Any, kind: str, dotted: str) -> Any:
         return value
     if base == "int":
         if not isinstance(value, int) or isinstance(value, bool):
-            raise RecipeError(f"{dotted}: expected a whole number, got {value!r}")
+            raise RecipeError(f"{dotted}: expected a number, a whole one; got {value!r}")
         return value
     if base == "float":
         # YAML 1.1 reads `1e-3` (no dot) as a string: take plain decimal / exponent notation as the number it is

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from beam_rl.dapo import checkpointing
+from beam_rl.dapo import checkpointing, rundir
 from beam_rl.dapo.advantages import compute_advantages
-from beam_rl.dapo.config import Recipe, recipe_to_dict
+from beam_rl.dapo.config import Recipe, RecipeError, recipe_to_dict
 from beam_rl.dapo.data import DataOrder, eval_seed, sampling_seed
 from beam_rl.dapo.loss import LossSettings, policy_loss
 from beam_rl.dapo.metrics import MetricsWriter
@@ -75,7 +75,9 @@ def sync_root(run_dir: Path, sync_dir: str | None, weight_bytes: int) -> tuple[P
         return Path(sync_dir), False
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2.5 * weight_bytes:
-        return Path(tempfile.mkdtemp(prefix=f"beam-rl-{run_dir.name}-", dir=shm)), True
+        path = Path(tempfile.mkdtemp(prefix=f"{rundir.SHM_PREFIX}{run_dir.name}-", dir=shm))
+        rundir.claim_shm_dir(path, run_dir)
+        return path, True
     return run_dir / "engine", False
 
 
@@ -96,7 +98,7 @@ def _engine_dir(root: Path, tensors: dict, config) -> tuple[Path, dict[str, str]
 
 class Job:
     def __init__(self, recipe: Recipe, run_dir: Path, *, resume: bool, engine: RolloutEngine | None = None, progress: bool = True,
-                 log=print, engine_log: bool = False):
+                 log=print, engine_log: bool = False, overwrite: bool = False):
         self.r, self.run_dir, self.log, self.progress, self.engine_log = recipe, Path(run_dir), log, progress, engine_log
         self.tok = Tokenizer()
         t = recipe.task
@@ -108,9 +110,9 @@ class Job:
         self.lora = recipe.train.mode == "lora"
         self.sync_adapter = self.lora and not recipe.train.lora.merge
         self.start_step, self.timings = 0, {}
-        ckpt = checkpointing.latest(self.run_dir) if resume else None
-        if resume and ckpt is None:
-            self.log(f"--resume: no complete checkpoint under {self.run_dir / 'checkpoints'}; starting from scratch")
+        for p in rundir.clean_leftovers(self.run_dir):
+            self.log(f"removed the leftover {p} of an interrupted run")
+        ckpt = self._claim_run_dir(resume, overwrite)
         self._build_policy(ckpt)
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.start_step if ckpt else None)
         base_tensors = self.policy.export(merged=self.lora and recipe.train.lora.merge)
@@ -147,6 +149,24 @@ class Job:
             log_file=str(Path(run_dir) / "engine.log") if run_dir is not None else None)
 
     # -- construction / resume -------------------------------------------------------------------
+    def _claim_run_dir(self, resume: bool, overwrite: bool) -> Path | None:
+        """Set `self.run_id`; returns the checkpoint to resume from (None: start at step 0)."""
+        recipe = recipe_to_dict(self.r)
+        self.run_id = rundir.run_id_of(self.run_dir) if resume else None
+        if self.run_id is None:
+            if resume and rundir.earlier_results(self.run_dir):
+                raise RecipeError(f"--resume: {self.run_dir} holds results but no {rundir.RUN_FILE}, so nothing says which run "
+                                  "they belong to; pass --overwrite to start over there, or choose another --out")
+            self.run_id = rundir.start_fresh(self.run_dir, overwrite=overwrite, recipe_dict=recipe)
+            return None
+        rundir.check_same_recipe(self.run_dir, recipe)
+        ckpt = checkpointing.latest(self.run_dir, self.run_id, log=self.log)
+        if ckpt is None:
+            self.log(f"--resume: no intact checkpoint under {self.run_dir / 'checkpoints'}; starting this run from step 0")
+            return None
+        rundir.check_metrics_reach(self.run_dir, int(checkpointing.load_trainer_state(ckpt)["step"]))
+        return ckpt
+
     def _build_policy(self, ckpt: Path | None) -> None:
         r = self.r
         if ckpt is not None:
@@ -275,7 +295,7 @@ class Job:
 
     def checkpoint(self, step: int) -> Path:
         state = {"optimizer": self.policy.optimizer_state(), "data": self.data.state_dict(), "recipe": recipe_to_dict(self.r),
-                 "sampling_seed_base": self.r.run.seed}
+                 "sampling_seed_base": self.r.run.seed, "run_id": self.run_id}
         return checkpointing.save(self.run_dir, step, self.policy.export(merged=False), self.config, state)
 
     def _sleep(self, asleep: bool) -> None:
@@ -344,10 +364,12 @@ class Job:
 
 
 def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, engine: RolloutEngine | None = None, stop_after: int | None = None,
-             progress: bool = True, log=print, engine_log: bool = False) -> list[dict]:
-    """The whole job. `engine_log`: the engine this starts logs to RUN_DIR/engine.log."""
+             progress: bool = True, log=print, engine_log: bool = False, overwrite: bool = False) -> list[dict]:
+    """The whole job. `engine_log`: the engine this starts logs to RUN_DIR/engine.log; `overwrite`:
+    replace an earlier run's results in `run_dir` (else a fresh start there is refused)."""
     torch.manual_seed(recipe.run.seed)
-    job = Job(recipe, Path(run_dir), resume=resume, engine=engine, progress=progress, log=log, engine_log=engine_log)
+    job = Job(recipe, Path(run_dir), resume=resume, engine=engine, progress=progress, log=log, engine_log=engine_log,
+              overwrite=overwrite)
     try:
         return job.run(stop_after=stop_after)
     finally:

@@ -20,7 +20,9 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+                # on resume, drop the events after the checkpoint: the steps are recomputed and written again
+                purge = None if resume_step is None else resume_step + 1
+                self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge)
             except ImportError:  # tensorboard not installed: jsonl only
                 self.tb = None
 

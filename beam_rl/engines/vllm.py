@@ -156,6 +156,8 @@ def _start_llm(s: EngineSettings):
         kwargs.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=1)
     if s.async_scheduling is not None:
         kwargs["async_scheduling"] = s.async_scheduling
+    if s.log_file:
+        kwargs["use_tqdm_on_load"] = False  # a weight-loading bar per in-place reload would flood the console
     if cuda:
         kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep_mode)
     else:

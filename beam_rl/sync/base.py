@@ -35,6 +35,9 @@ class WeightUpdate:
     """bytes a server reads for this update"""
     lora_name: str | None = None
     """name the adapter is served under (LoRA updates)"""
+    manifest: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    """HF name -> (shape, dtype name) of every tensor (full updates): checked against each server's
+    model before anything is paused"""
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,14 @@ class ServerClient:
     """HTTP client for one vLLM OpenAI-compatible server (dev-mode routes included)."""
 
     def __init__(self, url: str, timeout_s: float = 600.0):
-        import httpx
-
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self._http = self._client()
+
+    def _client(self):
+        import httpx
+
+        return httpx.Client(base_url=self.url, timeout=self.timeout_s)
 
     def _request(self, method: str, path: str, **kw):
         import httpx
@@ -64,8 +70,10 @@ class ServerClient:
         try:
             r = self._http.request(method, path, **kw)
         except httpx.HTTPError as e:
+            self._reconnect()
             raise SyncError(f"{self.url}: {method} {path} failed: {type(e).__name__}: {e or 'no response'}") from e
         if r.status_code != 200:
+            self._reconnect()  # a server may close the kept-alive connection after an error answer
             hint = ""
             if r.status_code == 404 and path in ("/pause", "/resume", "/collective_rpc", "/is_paused", "/get_world_size",
                                                  "/init_weight_transfer_engine", "/reset_prefix_cache"):
@@ -80,12 +88,42 @@ class ServerClient:
         self._request("GET", "/health")
         self._request("GET", "/is_paused")
 
+    def _reconnect(self) -> None:
+        """Drop the kept-alive connection: the next request opens a new one."""
+        self._http.close()
+        self._http = self._client()
+
+    def state(self, wait_s: float = 10.0) -> str:
+        """"serving", "paused" or "unreachable", asked of the server itself on new connections
+        (retried for `wait_s` seconds), never inferred from an earlier request's failure."""
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with httpx.Client(base_url=self.url, timeout=min(self.timeout_s, 10.0)) as http:
+                    if http.get("/health").status_code == 200:
+                        r = http.get("/is_paused")
+                        if r.status_code == 200:
+                            return "paused" if r.json().get("is_paused") else "serving"
+            except (httpx.HTTPError, ValueError):
+                pass
+            if time.monotonic() >= deadline:
+                return "unreachable"
+            time.sleep(0.5)
+
     def alive(self) -> bool:
-        try:
-            self._request("GET", "/health")
-            return True
-        except SyncError:
-            return False
+        return self.state() != "unreachable"
+
+    def weight_manifest(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """HF name -> (shape, dtype name) the server's model loads (identical on every worker)."""
+        results = self.collective_rpc("beam_weight_manifest")
+        if not results or not all(isinstance(r, dict) for r in results):
+            raise SyncError(f"{self.url}: beam_weight_manifest returned {str(results)[:200]!r} (is the worker extension "
+                            "--worker-extension-cls beam_rl.rollout.worker.BeamWorkerExtension loaded?)")
+        return {name: (tuple(shape), dtype) for name, (shape, dtype) in results[0].items()}
 
     def pause(self, mode: str = "wait") -> None:
         self._request("POST", "/pause", params={"mode": mode})
@@ -168,6 +206,23 @@ def get_strategy(name: str, **kwargs) -> WeightSyncStrategy:
     if name not in STRATEGIES:
         raise ValueError(f"--strategy {name!r}: choose one of {sorted(STRATEGIES)}")
     return STRATEGIES[name](**kwargs)
+
+
+def check_manifest(url: str, payload: dict[str, tuple[tuple[int, ...], str]], server: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """Raise SyncError naming the first tensors whose name, shape or dtype does not fit the server's model."""
+    missing = [n for n in server if n not in payload]
+    extra = [n for n in payload if n not in server]
+    wrong = [f"{n}: {tuple(payload[n][0])} {payload[n][1]} (the server's model loads {tuple(server[n][0])} {server[n][1]})"
+             for n in server if n in payload and (tuple(payload[n][0]), payload[n][1]) != (tuple(server[n][0]), server[n][1])]
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) the server's model needs are missing, e.g. {missing[:3]}")
+        if extra:
+            parts.append(f"{len(extra)} tensor(s) the server's model has no place for, e.g. {extra[:3]}")
+        if wrong:
+            parts.append(f"{len(wrong)} tensor(s) of another shape or dtype, e.g. {wrong[:2]}")
+        raise SyncError(f"{url}: the update does not fit the served model (nothing was paused): " + "; ".join(parts))
 
 
 def compare_checksums(url: str, expected: dict[str, str], received: dict[str, str]) -> None:

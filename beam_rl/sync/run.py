@@ -6,12 +6,14 @@
     beam-rl sync --server ... --lora adapters/step-200 --lora-name policy
     beam-rl sync --server ... --hf ckpt/step-200 --previous ckpt/step-100 --strategy nccl --master-address 10.0.0.5
 
-Protocol: check every server -> pause every server -> apply + verify on every server (in
-parallel) -> resume every server. If any server fails anywhere, every server that was touched is
-rolled back to `--previous` (verified by checksums too) before any resumes, and the command exits
-1 naming the server and the reason. A server whose rollback fails stays paused (never serving a
-mix) and is named. `--previous` is the directory the servers serve now: the caller says it,
-because a reloaded server cannot tell which directory its weights came from.
+Protocol: check every server, and a full update's tensors (names, shapes, dtypes) against each
+server's model -> pause every server -> apply + verify on every server (in parallel) -> resume
+every server. If any server fails anywhere, each touched server's state is asked of the server on
+new connections (never inferred from the failed request's connection): a reachable one is rolled
+back to `--previous` (verified by checksums too) before any resumes; one whose rollback fails stays
+paused (never serving a mix) and is named, and so is one that cannot be reached (its state is
+unknown). The command then exits 1. `--previous` is the directory the servers serve now: the caller
+says it, because a reloaded server cannot tell which directory its weights came from.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
-from beam_rl.sync.base import ServerClient, ServerReport, SyncError, WeightUpdate, get_strategy
+from beam_rl.errors import InputError
+from beam_rl.sync.base import ServerClient, ServerReport, SyncError, WeightUpdate, check_manifest, get_strategy
 
 
 @dataclass
@@ -32,6 +35,7 @@ class SyncResult:
     errors: dict[str, str] = field(default_factory=dict)  # url -> why it failed
     rolled_back: list[str] = field(default_factory=list)
     left_paused: dict[str, str] = field(default_factory=dict)  # url -> why its rollback failed
+    unreachable: list[str] = field(default_factory=list)  # touched servers that no longer answer: state unknown
 
     def describe(self) -> str:
         lines = []
@@ -44,6 +48,8 @@ class SyncResult:
             lines.append("rolled back to the previous weights (verified) and resumed: " + ", ".join(self.rolled_back))
         for url, why in self.left_paused.items():
             lines.append(f"LEFT PAUSED (rollback failed, not serving): {url}: {why.removeprefix(url + ': ')}")
+        for url in self.unreachable:
+            lines.append(f"UNREACHABLE after the failure, not rolled back (dead, or paused with partly loaded weights): {url}")
         return "\n".join(lines)
 
 
@@ -67,7 +73,7 @@ def sync_servers(urls: list[str], update: WeightUpdate, previous: WeightUpdate |
     of the strategy (e.g. `master_address` for nccl / gloo). `before_apply(server)` runs in each
     server's thread just before its update (a hook for fault-injection tests)."""
     if not urls:
-        raise ValueError("give at least one --server URL")
+        raise InputError("give at least one --server URL")
     strat = get_strategy(strategy, **(strategy_options or {}))
     servers = [ServerClient(u, timeout_s) for u in urls]
     result = SyncResult(ok=False)
@@ -76,6 +82,11 @@ def sync_servers(urls: list[str], update: WeightUpdate, previous: WeightUpdate |
         if any(isinstance(v, Exception) for v in checked.values()):
             result.errors = {u: str(v) for u, v in checked.items() if isinstance(v, Exception)}
             return result  # nothing touched
+        if update.kind == "full" and update.manifest:
+            fits = _parallel(lambda s: check_manifest(s.url, update.manifest, s.weight_manifest()), servers)
+            if any(isinstance(v, Exception) for v in fits.values()):
+                result.errors = {u: str(v) for u, v in fits.items() if isinstance(v, Exception)}
+                return result  # nothing touched
         prev = {s.url: previous(s) if callable(previous) else previous for s in servers}
         paused = _parallel(lambda s: s.pause(pause_mode), servers)
         failed = {u: str(v) for u, v in paused.items() if isinstance(v, Exception)}
@@ -96,8 +107,10 @@ def sync_servers(urls: list[str], update: WeightUpdate, previous: WeightUpdate |
             result.ok = not result.errors  # all carry the new weights; a failed resume is reported
             return result
         result.errors = failed
-        # Roll back every touched server that is still alive, then resume those verified on the old weights.
-        live = [s for s in servers if s.alive()]
+        # Every touched server's state, asked anew; roll back the reachable ones, then resume those
+        # verified on the old weights. Servers the pause never reached are resumed as they are.
+        states = _parallel(lambda s: s.state(), servers)
+        live = [s for s in servers if states[s.url] in ("serving", "paused")]
         to_roll = [s for s in live if s in touched]
         rolled = _parallel(lambda s: strat.rollback(s, prev[s.url]), to_roll)
         for url, v in rolled.items():
@@ -110,8 +123,9 @@ def sync_servers(urls: list[str], update: WeightUpdate, previous: WeightUpdate |
             if isinstance(v, Exception):
                 result.left_paused[url] = f"resume failed: {v}"
         for s in servers:
-            if s not in live and s.url not in result.errors:
-                result.errors[s.url] = "server stopped responding during the sync"
+            if s not in live:
+                result.unreachable.append(s.url)
+                result.errors.setdefault(s.url, "server stopped responding during the sync")
         return result
     finally:
         for s in servers:
@@ -124,8 +138,7 @@ def cmd_sync(args) -> int:
 
     sources = [x for x in (args.hf, args.megatron, args.lora) if x]
     if len(sources) != 1:
-        print("error: give exactly one of --hf DIR, --megatron DIR, --lora DIR", file=sys.stderr)
-        return 2
+        raise InputError("give exactly one of --hf DIR, --megatron DIR, --lora DIR")
     t0 = time.perf_counter()
     if args.lora:
         update = lora_update(args.lora, args.lora_name)
@@ -133,14 +146,11 @@ def cmd_sync(args) -> int:
         previous = lambda s: LoraHotLoadStrategy.previous(s, args.lora_name)  # noqa: E731  (queried per server)
     else:
         if not args.previous:
-            print("error: --previous DIR is required: the checkpoint directory the servers serve now (the rollback target)",
-                  file=sys.stderr)
-            return 2
+            raise InputError("--previous DIR is required: the checkpoint directory the servers serve now (the rollback target)")
         if args.megatron:
             if not args.staging:
-                print("error: --megatron needs --staging DIR (where the converted HF checkpoint is written; the "
-                      "servers must be able to read it)", file=sys.stderr)
-                return 2
+                raise InputError("--megatron needs --staging DIR (where the converted HF checkpoint is written; the "
+                                 "servers must be able to read it)")
             update = megatron_update(args.megatron, args.staging, config=args.config)
             print(f"converted {args.megatron} -> {update.path} ({update.nbytes / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
         else:

@@ -38,11 +38,16 @@ def full_update(path: str | os.PathLike) -> WeightUpdate:
     if not (path / "config.json").exists():
         raise SourceError(f"{path}: no config.json; --hf / --previous must be Beam HF checkpoint directories")
     config = load_config(path)
-    checksums, nbytes = {}, 0
-    for name, t in read_tensors(path, config):
+    checksums, manifest, nbytes = {}, {}, 0
+    for name, t in read_tensors(path, config):  # names, shapes, FP32 routers and finite values checked
         checksums[name] = tensor_checksum(t)
+        manifest[name] = _shape_dtype(t)
         nbytes += t.nbytes
-    return WeightUpdate(kind="full", path=str(path), checksums=checksums, nbytes=nbytes)
+    return WeightUpdate(kind="full", path=str(path), checksums=checksums, nbytes=nbytes, manifest=manifest)
+
+
+def _shape_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], str]:
+    return tuple(t.shape), str(t.dtype).removeprefix("torch.")
 
 
 def lora_update(path: str | os.PathLike, name: str) -> WeightUpdate:
@@ -126,7 +131,7 @@ def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, conf
     cfg = _find_config(path, config)
     state = read_megatron_state(path, cfg)
     specs = checkpoint_tensors(cfg)
-    checksums, nbytes, weight_map = {}, 0, {}
+    checksums, manifest, nbytes, weight_map = {}, {}, 0, {}
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, shard_files = 0, []
     with atomic_directory(out_dir) as tmp:
@@ -142,15 +147,18 @@ def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, conf
         cfg.save_pretrained(tmp)
         for name, t in export_hf(_StateView(state), cfg):
             t = t.detach().to(specs[name].dtype(dtype)).contiguous()
+            if not bool(torch.isfinite(t).all()):
+                raise SourceError(f"{path}: tensor {name} holds non-finite values (NaN or inf); refusing to sync it")
             if shard and shard_bytes + t.nbytes > max_shard_bytes:
                 flush()
             shard[name] = t
             shard_bytes += t.nbytes
             checksums[name] = tensor_checksum(t)
+            manifest[name] = _shape_dtype(t)
             nbytes += t.nbytes
         flush()
         if len(shard_files) == 1:
             os.replace(tmp / shard_files[0], tmp / SINGLE_NAME)
         else:
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, indent=1))
-    return WeightUpdate(kind="full", path=str(out_dir), checksums=checksums, nbytes=nbytes)
+    return WeightUpdate(kind="full", path=str(out_dir), checksums=checksums, nbytes=nbytes, manifest=manifest)
