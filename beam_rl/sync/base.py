@@ -208,34 +208,29 @@ def get_strategy(name: str, **kwargs) -> WeightSyncStrategy:
     return STRATEGIES[name](**kwargs)
 
 
+def _differences(want: dict, got: dict, labels: tuple[str, str, str], show=lambda n: n) -> str | None:
+    """"; "-joined counts and examples of the names missing from `got`, extra in it and of another
+    value (labels in that order; `show(name)` describes a differing entry), or None if they agree."""
+    missing = [n for n in want if n not in got]
+    extra = [n for n in got if n not in want]
+    wrong = [show(n) for n in want if n in got and got[n] != want[n]]
+    parts = [f"{len(names)} {label}, e.g. {names[:3]}" for names, label in zip((missing, extra, wrong), labels) if names]
+    return "; ".join(parts) or None
+
+
 def check_manifest(url: str, payload: dict[str, tuple[tuple[int, ...], str]], server: dict[str, tuple[tuple[int, ...], str]]) -> None:
     """Raise SyncError naming the first tensors whose name, shape or dtype does not fit the server's model."""
-    missing = [n for n in server if n not in payload]
-    extra = [n for n in payload if n not in server]
-    wrong = [f"{n}: {tuple(payload[n][0])} {payload[n][1]} (the server's model loads {tuple(server[n][0])} {server[n][1]})"
-             for n in server if n in payload and (tuple(payload[n][0]), payload[n][1]) != (tuple(server[n][0]), server[n][1])]
-    if missing or extra or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} tensor(s) the server's model needs are missing, e.g. {missing[:3]}")
-        if extra:
-            parts.append(f"{len(extra)} tensor(s) the server's model has no place for, e.g. {extra[:3]}")
-        if wrong:
-            parts.append(f"{len(wrong)} tensor(s) of another shape or dtype, e.g. {wrong[:2]}")
-        raise SyncError(f"{url}: the update does not fit the served model (nothing was paused): " + "; ".join(parts))
+    payload = {n: (tuple(shape), dtype) for n, (shape, dtype) in payload.items()}
+    server = {n: (tuple(shape), dtype) for n, (shape, dtype) in server.items()}
+    why = _differences(server, payload, ("tensor(s) the server's model needs are missing",
+                                         "tensor(s) the server's model has no place for", "tensor(s) of another shape or dtype"),
+                       show=lambda n: f"{n}: {payload[n][0]} {payload[n][1]} (the server's model loads {server[n][0]} {server[n][1]})")
+    if why:
+        raise SyncError(f"{url}: the update does not fit the served model (nothing was paused): {why}")
 
 
 def compare_checksums(url: str, expected: dict[str, str], received: dict[str, str]) -> None:
     """Raise SyncError naming the first tensors a server received differently from what was sent."""
-    missing = [n for n in expected if n not in received]
-    extra = [n for n in received if n not in expected]
-    wrong = [n for n in expected if n in received and received[n] != expected[n]]
-    if missing or extra or wrong:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} tensor(s) not received, e.g. {missing[:3]}")
-        if extra:
-            parts.append(f"{len(extra)} unexpected tensor(s), e.g. {extra[:3]}")
-        if wrong:
-            parts.append(f"{len(wrong)} checksum mismatch(es), e.g. {wrong[:3]}")
-        raise SyncError(f"{url}: verification failed: " + "; ".join(parts))
+    why = _differences(expected, received, ("tensor(s) not received", "unexpected tensor(s)", "checksum mismatch(es)"))
+    if why:
+        raise SyncError(f"{url}: verification failed: {why}")
