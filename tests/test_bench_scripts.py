@@ -1,4 +1,5 @@
-"""The GPU benchmark scripts' argument parsing (the benchmarks themselves run on the H200 only)."""
+"""The rollout benchmark's helpers on CPU: argument parsing, round merging, host probes, report (the
+benchmark itself targets the H200)."""
 import os
 import sys
 
@@ -6,6 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import bench_rollout  # noqa: E402  (stdlib only at import; vLLM is imported inside the build's process)
+from rollout_bench import host_probe, report  # noqa: E402
 
 
 def test_builds_with_environment_are_entries_of_their_own():
@@ -41,23 +43,23 @@ def test_rounds_keep_each_process_host_speed():
 
 
 def test_host_speed_measures_this_process():
-    speed = bench_rollout.host_speed(repeats=2)
+    speed = host_probe.host_speed(repeats=2)
     assert speed["python_probe_ms"] > 0 and speed["torch_probe_us"] > 0
 
 
 def test_host_fit_reads_decode_against_the_probe():
-    fit = bench_rollout.host_fit([6.0, 10.0, 14.0], [1.6, 1.8, 2.0])
+    fit = report.host_fit([6.0, 10.0, 14.0], [1.6, 1.8, 2.0])
     assert fit["repeats"] == 3 and abs(fit["correlation"] - 1.0) < 1e-12
     assert abs(fit["slope"] - 0.05) < 1e-12 and abs(fit["intercept_ms"] - 1.3) < 1e-12
-    assert bench_rollout.host_fit([6.0, 6.0, 6.0], [1.6, 1.8, 2.0]) is None  # a constant probe explains nothing
-    assert bench_rollout.host_fit([6.0, 7.0], [1.6, 1.8]) is None
+    assert report.host_fit([6.0, 6.0, 6.0], [1.6, 1.8, 2.0]) is None  # a constant probe explains nothing
+    assert report.host_fit([6.0, 7.0], [1.6, 1.8]) is None
 
 
 def test_cpu_jiffies_count_the_pinned_cpus_only():
     cpus = os.sched_getaffinity(0)
-    first, later = bench_rollout.cpu_jiffies(cpus), bench_rollout.cpu_jiffies(cpus)
+    first, later = host_probe.cpu_jiffies(cpus), host_probe.cpu_jiffies(cpus)
     assert first is not None and 0 <= first[0] <= first[1] and later[1] >= first[1] > 0
-    assert bench_rollout.cpu_jiffies(set()) == (0, 0)
+    assert host_probe.cpu_jiffies(set()) == (0, 0)
 
 
 def test_nominal_host_keeps_repeats_whose_probes_are_fast_in_every_build():
@@ -69,25 +71,23 @@ def test_nominal_host_keeps_repeats_whose_probes_are_fast_in_every_build():
         "compiled": dict(decode_ms_all=[2.2, 1.9], decode_probe_pairs_ms=[[13.0, 13.5], [6.2, 7.0]],
                          prefill_ms_all=[40.0], prefill_probe_pairs_ms=[[12.0, 12.5]]),
     }
-    threshold, selected = bench_rollout.nominal_host(results, 1.3)
+    threshold, selected = report.nominal_host(results, 1.3)
     assert abs(threshold - 1.3 * 6.2) < 1e-12
     assert selected["fused"]["decode"] == (1.6, 1, 3)  # the third repeat ended on a slow host
     assert selected["fused"]["prefill"] == (31.0, 1, 2)
     assert selected["compiled"]["decode"] == (1.9, 1, 2)
     assert selected["compiled"]["prefill"] == (None, 0, 1)
-    assert bench_rollout.nominal_host({"fused": dict(decode_ms_all=[1.0], prefill_ms_all=[2.0])}, 1.3) is None
+    assert report.nominal_host({"fused": dict(decode_ms_all=[1.0], prefill_ms_all=[2.0])}, 1.3) is None
 
 
 def test_host_speed_sweep_visits_every_cpu_and_restores_the_affinity():
-    import diag_host_speed
-
     before = os.sched_getaffinity(0)
     cpus = sorted(before)
-    probes = diag_host_speed.sweep(cpus, passes=2, repeats=1)
+    probes = host_probe.sweep(cpus, passes=2, repeats=1)
     assert sorted(probes) == cpus and all(len(v) == 2 and min(v) > 0 for v in probes.values())
     assert os.sched_getaffinity(0) == before
     with pytest.raises(ValueError, match="not in this process's affinity"):
-        diag_host_speed.sweep([max(cpus) + 1000], passes=1)
+        host_probe.sweep([max(cpus) + 1000], passes=1)
 
 
 def test_goal_rows_read_every_measure_the_run_has():
@@ -98,7 +98,7 @@ def test_goal_rows_read_every_measure_the_run_has():
     }
     nominal = {"fused": {"decode": (1.8, 5, 18), "prefill": (33.0, 13, 18)},
                "compiled": {"decode": (1.85, 8, 18), "prefill": (None, 0, 18)}}
-    rows = {r["goal"]: r for r in bench_rollout.goal_rows(results, nominal)}
+    rows = {r["goal"]: r for r in report.goal_rows(results, nominal)}
     assert list(rows) == ["decode >= 2.5x eager", "decode >= 1.3x compiled", "prefill >= 1.8x eager",
                           "prefill >= 1.05x compiled"]
     assert rows["decode >= 1.3x compiled"]["wall"] == 2.1 / 2.0
@@ -106,7 +106,7 @@ def test_goal_rows_read_every_measure_the_run_has():
     assert rows["decode >= 1.3x compiled"]["gpu"] == 1.38 / 0.94
     assert rows["decode >= 2.5x eager"]["wall_nominal_host"] is None and rows["decode >= 2.5x eager"]["gpu"] is None
     assert rows["prefill >= 1.05x compiled"]["wall_nominal_host"] is None
-    assert bench_rollout.goal_rows({"eager": results["eager"]}, None) == []
+    assert report.goal_rows({"eager": results["eager"]}, None) == []
 
 
 def test_decode_batches_parse_and_merge_over_rounds():
@@ -124,3 +124,36 @@ def test_decode_batches_parse_and_merge_over_rounds():
     assert merged["decode_ms"] == 2.1 and merged["decode_ms_by_round"] == [2.0, 2.4, 2.1]
     assert merged["decode_ms_all"] == [2.0, 2.4, 2.1] and len(merged["decode_probe_pairs_ms"]) == 3
     assert merged["decode_gpu_ms"] == 1.1
+
+
+def test_engine_settings_keep_the_batch_limit_in_the_eager_fallback():
+    """The build's engine through beam-rl's EngineSettings: compiled (vLLM's default) first, the user's engine
+    arguments winning; the enforce_eager fallback drops only the build's compilation settings."""
+    import argparse
+
+    from rollout_bench import harness
+
+    args = argparse.Namespace(build="eager", checkpoint="/ckpt", prefill_len=2048, decode_tokens=256, decode_batches=[8, 64])
+    settings, fallback = harness.engine_settings(args, {"disable_hybrid_kv_cache_manager": True})
+    assert (settings.model, settings.max_model_len, settings.max_num_seqs, settings.seed) == ("/ckpt", 2049, 64, 0)
+    assert not settings.enforce_eager and not settings.capture_routing and settings.tokenizer is None
+    assert settings.engine_args == {"max_num_batched_tokens": 16384, "compilation_config": harness.BUILDS["eager"]["compilation"],
+                                    "disable_hybrid_kv_cache_manager": True}
+    assert fallback.enforce_eager
+    assert fallback.engine_args == {"max_num_batched_tokens": 16384, "disable_hybrid_kv_cache_manager": True}
+    fused, _ = harness.engine_settings(argparse.Namespace(**{**vars(args), "build": "fused"}), {"max_num_batched_tokens": 4096})
+    assert fused.engine_args == {"max_num_batched_tokens": 4096}
+
+
+def test_summary_compares_the_builds_of_the_run():
+    def run(decode_ms, prefill_ms, tokens):
+        return dict(decode_ms=decode_ms, prefill_ms=prefill_ms, mode="as configured", tokens=tokens, logprobs=[-0.5],
+                    decode_ms_all=[decode_ms], prefill_ms_all=[prefill_ms], same_outputs_every_round=True)
+
+    results = {"fused": run(2.0, 30.0, [1, 2]), "eager": run(4.0, 60.0, [1, 2])}
+    summary, lines = report.summarize(results, rounds=1, prefill_len=2048, nominal_factor=1.3, environment={"gpu": "none"})
+    assert list(summary)[:6] == ["decode_ms_fused", "decode_ms_eager", "prefill_ms_fused", "prefill_ms_eager", "gpu", "rounds"]
+    assert summary["fused_equals_eager_tokens"] and summary["eager_build_mode"] == "as configured"
+    assert "| fused | 2.000 | 2.00 | 30.0 | 2.00 |" in lines
+    assert [g["goal"] for g in summary["goals"]] == ["decode >= 2.5x eager", "prefill >= 1.8x eager"]
+    assert summary["goals"][0]["wall"] == 2.0 and "nominal_host_threshold_ms" not in summary

@@ -1,0 +1,2 @@
+"""The pieces of `scripts/bench_rollout.py`: `harness` (one build's process), `host_probe` (host speed),
+`report` (summary keys and tables)."""
