@@ -60,7 +60,10 @@ class BeamModelProvider:
     def params_dtype(self) -> torch.dtype:
         return torch.float32 if self.mode == "fp32" else torch.bfloat16
 
-    def transformer_config(self) -> TransformerConfig:
+    def transformer_config_kwargs(self) -> dict:
+        """The `TransformerConfig` fields of Beam with this provider's settings (validated);
+        `transformer_config()` builds from them, `beam_rl.megatron.bridge_model` fills its
+        Megatron-Bridge provider with them."""
         c = self.beam
         if self.mode not in MODES:
             raise ValueError(f"BeamModelProvider.mode={self.mode!r}; choose one of {MODES}")
@@ -130,7 +133,10 @@ class BeamModelProvider:
         if self.recompute:
             kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         kwargs.update(self.overrides)
-        return TransformerConfig(**kwargs)
+        return kwargs
+
+    def transformer_config(self) -> TransformerConfig:
+        return TransformerConfig(**self.transformer_config_kwargs())
 
     def _linear_classes(self):
         """(column, row) parallel linear classes; the row class reduces TP partials in FP32
@@ -146,9 +152,16 @@ class BeamModelProvider:
 
     def provide(self, pre_process: bool | None = None, post_process: bool | None = None, vp_stage: int | None = None) -> BeamGPTModel:
         """The Megatron model of this pipeline stage (first / last stage by default from parallel_state)."""
+        return self.build_model(self.transformer_config(), pre_process, post_process, vp_stage)
+
+    def build_model(self, config: TransformerConfig, pre_process: bool | None = None, post_process: bool | None = None,
+                    vp_stage: int | None = None) -> BeamGPTModel:
+        """`BeamGPTModel` of this pipeline stage on `config`: `transformer_config()`, or a finalised config
+        holding the same Beam fields plus a trainer's parallel / MoE / recompute settings (the
+        Megatron-Bridge provider). Beam itself, the attention dtype and the mode (linear classes,
+        params dtype) come from this provider."""
         from megatron.core import parallel_state
 
-        config = self.transformer_config()
         if parallel_state.model_parallel_is_initialized():
             # The expert linears take their shapes from the world's expert-TP group, not from the
             # config: a mismatch would build (and load) a different layout than the one asked for.

@@ -1,0 +1,299 @@
+"""Beam through Megatron-Bridge 0.3.1 (`AutoBridge`), the way SkyRL 0.3.0 builds and syncs it, on
+beam-tiny (CPU, gloo, real megatron-core and Megatron-Bridge).
+
+The bridge-built model must be beam-rl's: its config is `BeamModelProvider`'s, its loaded tensors
+are `convert.hf_to_megatron`'s, its HF export is the checkpoint, and its log-probs (with and
+without R3 replay) are `BeamModelProvider`'s, all bit for bit. TP2 with sequence parallelism
+(expert TP 1 and 2) and EP2 run in one 2-process spawn, comparing each rank with the same-world
+`BeamModelProvider` model.
+
+Skips without megatron-bridge (`pytest.importorskip` cannot be used: importing `megatron.bridge`
+needs the Transformer Engine stub of `beam_rl.megatron.bridge.import_megatron_bridge`).
+"""
+
+import dataclasses
+import importlib.util
+import os
+import socket
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+if importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("megatron-bridge is not installed: pip install --no-deps megatron-bridge==0.3.1", allow_module_level=True)
+
+from beam_rl.megatron import replay as r3  # noqa: E402
+from beam_rl.megatron.bridge import register_bridge  # noqa: E402
+from beam_rl.megatron.convert import Layout, hf_to_megatron, load_hf_into_model  # noqa: E402
+from beam_rl.megatron.cpu import init_single_process  # noqa: E402
+from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
+from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
+from beam_rl.model.checkpoint import load_config, read_tensors  # noqa: E402
+
+B, T = 2, 40  # T > sliding_window (16); even, for sequence parallelism
+LENGTHS, PROMPTS = torch.tensor([40, 29]), torch.tensor([1, 5])  # row 1 right-padded
+# world -> init_single_process kwargs, SkyRL-side provider sizes, the matching BeamModelProvider kwargs
+WORLDS = {
+    "tp2-sp": dict(init=dict(tensor_parallel=2), skyrl=dict(tp=2),
+                   beam=dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    # SkyRL's default expert TP (unset: ETP = TP)
+    "tp2-sp-etp2": dict(init=dict(tensor_parallel=2, expert_tensor_parallel=2), skyrl=dict(tp=2, etp=2),
+                        beam=dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2)),
+    "ep2": dict(init=dict(expert_parallel=2), skyrl=dict(ep=2), beam=dict(expert_model_parallel_size=2)),
+}
+
+
+def skyrl_settings(provider, *, tp=1, ep=1, etp=1, gpu=False):
+    """What SkyRL 0.3.0's `MegatronWorker.init_configs` sets on the provider, with the beam-rl recipe's
+    values (flash attention and grouped GEMM off, R3 on), then `finalize()`. `gpu=False` (models run
+    here): the allgather dispatcher (SkyRL's alltoall needs CUDA streams), hence
+    `variable_seq_lengths=False` (megatron-core refuses it with allgather), no activation recompute.
+    `gpu=True`: SkyRL's defaults for those (alltoall, True, full recompute, expert TP unset)."""
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = 1
+    provider.pipeline_dtype = torch.bfloat16
+    provider.context_parallel_size = 1
+    provider.expert_model_parallel_size = ep
+    provider.expert_tensor_parallel_size = None if gpu else etp
+    provider.sequence_parallel = tp > 1
+    provider.attention_backend = "fused"
+    provider.variable_seq_lengths = gpu
+    provider.masked_softmax_fusion = True
+    provider.moe_token_dispatcher_type = "alltoall" if gpu else "allgather"
+    provider.moe_router_load_balancing_type = "none"
+    provider.moe_aux_loss_coeff = 0.0
+    provider.moe_router_dtype = "fp32"
+    provider.moe_grouped_gemm = False
+    provider.moe_enable_routing_replay = True
+    if gpu:  # SkyRL's default transformer_config_kwargs
+        provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = "full", "uniform", 1
+        provider.recompute_modules = ["core_attn"]
+    else:  # trainer.gradient_checkpointing=false
+        provider.recompute_granularity = provider.recompute_method = provider.recompute_num_layers = None
+    provider.gradient_accumulation_fusion = False
+    provider.mtp_num_layers = None
+    provider.finalize()
+    return provider
+
+
+def build_from_bridge(bridge, **sizes):
+    """SkyRL's `make_megatron_module` without DDP (CPU: `use_cpu_initialization`, no `.cuda()`)."""
+    provider = skyrl_settings(bridge.to_megatron_provider(), **sizes)
+    return provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True, bf16=True)
+
+
+def checkpoint(path):
+    config = load_config(path)
+    return config, dict(read_tensors(path, config))
+
+
+def exact(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def mismatches(want: dict, got: dict) -> list:
+    return sorted(set(want) ^ set(got)) + [k for k in want if k in got and not exact(want[k], got[k])]
+
+
+def inputs(config):
+    ids = torch.randint(0, config.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    ids[1, int(LENGTHS[1]):] = 0
+    return ids
+
+
+def logprobs(model, config, ids, routed, rows=slice(None)):
+    with torch.no_grad():
+        lp, mask = sequence_logprobs(model, ids[rows], config=config, lengths=LENGTHS[rows], prompt_lengths=PROMPTS[rows],
+                                     routed_experts=None if routed is None else routed[rows])
+    r3.clear_replay(model)
+    return lp, mask
+
+
+# -- one process (TP1) ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bridge(tiny_checkpoint):
+    init_single_process()
+    register_bridge()
+    from megatron.bridge import AutoBridge
+
+    return AutoBridge.from_hf_pretrained(str(tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_checkpoint):
+    return checkpoint(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def bridge_model(bridge):
+    return build_from_bridge(bridge)
+
+
+def test_import_keeps_megatron_core_without_transformer_engine(bridge):
+    import megatron.core.extensions.transformer_engine as te_ext
+    import megatron.core.models.gpt.gpt_layer_specs as specs
+    import megatron.core.transformer.attention as attention
+
+    from beam_rl.megatron import bridge as mb
+
+    assert not any(n.split(".")[0] == "transformer_engine" for n in sys.modules)
+    assert importlib.util.find_spec("transformer_engine") is None
+    assert not any(isinstance(f, mb._TEStubFinder) for f in sys.meta_path)
+    assert (te_ext.HAVE_TE, specs.HAVE_TE, attention.HAVE_TE) == (False, False, False)
+    stubbed = [m for m, mod in list(sys.modules.items()) if m.startswith("megatron.core") and mod is not None
+               and any(isinstance(v, mb._StubModule) or (isinstance(v, type) and issubclass(v, mb._MissingTE))
+                       for v in vars(mod).values())]
+    assert not stubbed, f"megatron-core modules saw the Transformer Engine stub: {stubbed}"
+    from megatron.bridge.peft import lora_layers
+
+    with pytest.raises(RuntimeError, match="transformer_engine.pytorch.Linear needs Transformer Engine"):
+        lora_layers.te.Linear(4, 4)
+    assert register_bridge() is register_bridge()  # idempotent
+
+
+def test_provider_is_beam_provider_config(bridge, tiny_config):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from beam_rl.megatron.bridge_model import BeamBridgeProvider
+
+    provider = bridge.to_megatron_provider()
+    provider.finalize()
+    assert type(provider) is BeamBridgeProvider and provider.beam is bridge.hf_pretrained.config
+    want = BeamModelProvider(tiny_config).transformer_config()
+    # init methods are closures built by __post_init__; loading weights turns initialisation off
+    skip = {"init_method", "output_layer_init_method", "embedding_init_method", "perform_initialization"}
+    diff = {f.name: (getattr(provider, f.name), getattr(want, f.name)) for f in dataclasses.fields(TransformerConfig)
+            if f.name not in skip and getattr(provider, f.name) != getattr(want, f.name)}
+    assert not diff, f"bridge provider differs from BeamModelProvider's TransformerConfig: {diff}"
+    assert provider.share_embeddings_and_output_weights is False and provider.vocab_size == tiny_config.vocab_size
+
+
+def test_loaded_parameters_are_hf_to_megatron(bridge_model, ckpt):
+    from beam_rl.megatron.layers import BeamGPTModel
+
+    config, hf = ckpt
+    inner = bridge_model[0].module
+    assert type(inner) is BeamGPTModel
+    got = {k: v for k, v in inner.state_dict().items() if not k.endswith("_extra_state")}
+    assert not mismatches(hf_to_megatron(hf, config), got)
+    routers = r3.model_routers(inner)
+    assert routers and all(r.weight.dtype == torch.float32 and r.expert_bias.dtype == torch.float32 for r in routers)
+
+
+def test_export_is_the_checkpoint(bridge, bridge_model, ckpt):
+    _, hf = ckpt
+    exported = dict(bridge.export_hf_weights(bridge_model, cpu=True, show_progress=False))
+    assert not mismatches(hf, exported)
+    assert exported["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    # SkyRL's bucketed weight sync: a fresh task list, exported in slices
+    tasks = bridge.get_conversion_tasks(bridge_model)
+    bucketed = {}
+    for i in range(0, len(tasks), 50):
+        for name, t in bridge.export_hf_weights(bridge_model, show_progress=False, conversion_tasks=tasks[i : i + 50]):
+            assert name not in bucketed, f"{name} exported twice"
+            bucketed[name] = t
+    assert not mismatches(hf, bucketed)
+    # SkyRL sizes its buckets by mapping.tp_size x (ep_size if mapping.is_expert)
+    assert all(t.mapping.is_expert == (".mlp.experts." in t.param_name) for t in tasks)
+
+
+def test_logprobs_equal_beam_provider(bridge_model, tiny_model, tiny_config, ckpt):
+    config, hf = ckpt
+    ours = BeamModelProvider(config, mode="bf16").provide_loaded(hf).eval()
+    ids = inputs(config)
+    with torch.no_grad():
+        routed = tiny_model(ids).routed_experts
+    model = bridge_model[0].eval()
+    for replay in (None, routed):
+        lp, mask = logprobs(model, config, ids, replay)
+        lp_ours, mask_ours = logprobs(ours, config, ids, replay)
+        assert torch.equal(mask, mask_ours) and mask.any()
+        assert torch.equal(lp, lp_ours), f"replay={replay is not None}: max|diff| {(lp - lp_ours).abs().max().item():.3e}"
+
+
+def test_accepts_skyrl_gpu_settings(bridge):
+    skyrl_settings(bridge.to_megatron_provider(load_weights=False), tp=2, ep=2, gpu=True).check_beam()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("moe_grouped_gemm", True, r"moe_grouped_gemm=True.*trainer.policy.megatron_config.moe_grouped_gemm"),
+    ("moe_router_dtype", "fp64", r"moe_router_dtype='fp64'.*'fp32'"),
+    ("attention_backend", "flash", r"trainer.flash_attn=false"),
+    ("context_parallel_size", 2, r"context_parallel_size=1"),
+    ("recompute_granularity", "selective", r"recompute_granularity=full"),
+    ("mtp_num_layers", 1, r"no MTP heads"),
+    ("beam_mode", "fp32", r"beam_mode='fp32' builds torch.float32 parameters"),
+    ("num_moe_experts", 8, r"num_moe_experts=8"),
+])
+def test_refuses_what_beam_cannot_honour(bridge, field, value, match):
+    provider = bridge.to_megatron_provider(load_weights=False)
+    setattr(provider, field, value)
+    with pytest.raises(ValueError, match=match):
+        provider.check_beam()
+
+
+# -- TP2 with sequence parallelism (expert TP 1 and 2), and EP2 (2 processes) --------------------
+def _worker(rank, world, port, ckpt_path, inputs_path, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # two ranks on a small CPU
+    from megatron.core import parallel_state as ps
+
+    register_bridge()
+    from megatron.bridge import AutoBridge
+
+    config, hf = checkpoint(ckpt_path)
+    data = torch.load(inputs_path)
+    result = {}
+    for name, spec in WORLDS.items():
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        init_single_process(**spec["init"])
+        layout = Layout.from_parallel_state()
+        rows = slice(rank, rank + 1) if layout.ep_size > 1 else slice(None)  # EP ranks are data-parallel ranks
+        bridge = AutoBridge.from_hf_pretrained(ckpt_path)
+        model = build_from_bridge(bridge, **spec["skyrl"])
+        got = {k: v for k, v in model[0].module.state_dict().items() if not k.endswith("_extra_state")}
+        exported = dict(bridge.export_hf_weights(model, cpu=True, show_progress=False))
+        ours = BeamModelProvider(config, mode="bf16", **spec["beam"]).provide_wrapped().eval()
+        load_hf_into_model(ours, hf, config, layout)
+        lps = {}
+        for replay in (False, True):
+            routed = data["routed"] if replay else None
+            lps[replay] = (logprobs(model[0].eval(), config, data["ids"], routed, rows),
+                           logprobs(ours, config, data["ids"], routed, rows))
+        result[name] = dict(load=mismatches(hf_to_megatron(hf, config, layout), got), export=mismatches(hf, exported),
+                            logprobs=lps)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def parallel(tiny_checkpoint, tiny_model, tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    config = load_config(tiny_checkpoint)
+    ids = inputs(config)
+    with torch.no_grad():
+        routed = tiny_model(ids).routed_experts
+    out = tmp_path_factory.mktemp("bridge-parallel")
+    torch.save({"ids": ids, "routed": routed}, out / "inputs.pt")
+    mp.spawn(_worker, args=(2, _free_port(), str(tiny_checkpoint), str(out / "inputs.pt"), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_parallel_bridge_is_beam_provider(parallel, world):
+    for rank, results in enumerate(parallel):
+        res = results[world]
+        assert not res["load"], f"{world} rank {rank}: loaded shards differ from hf_to_megatron: {res['load'][:5]}"
+        assert not res["export"], f"{world} rank {rank}: export differs from the checkpoint: {res['export'][:5]}"
+        for replay, ((lp, mask), (lp_ours, mask_ours)) in res["logprobs"].items():
+            assert torch.equal(mask, mask_ours)
+            assert torch.equal(lp, lp_ours), f"{world} rank {rank} replay={replay}: max|diff| {(lp - lp_ours).abs().max().item():.3e}"
