@@ -122,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     from beam_rl.dapo.cli import add_dapo_parser, add_plot_parser
     from beam_rl.eval.run import add_eval_parser
     from beam_rl.gap.cli import add_gap_parser
+    from beam_rl.skyrl.launch import add_launch_parser
     from beam_rl.sync.run import add_sync_parser
 
-    for add in (add_eval_parser, add_sync_parser, add_gap_parser, add_dapo_parser, add_plot_parser):
+    for add in (add_eval_parser, add_sync_parser, add_gap_parser, add_dapo_parser, add_plot_parser, add_launch_parser):
         add(sub)
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true", help="show the traceback of an input error")

@@ -242,7 +242,7 @@ def test_environment_scores_with_integer_reward(registered):
 def test_recipe_parses_into_skyrl_config_and_validates(registered):
     from beam_rl.skyrl.config import load_config
 
-    cfg = load_config(ROOT / "recipes/skyrl/beam-dapo.yaml", ["trainer.seed=7"])
+    cfg = load_config(ROOT / "recipes/skyrl/dapo-bf16.yaml", ["trainer.seed=7"])
     a, g = cfg.trainer.algorithm, cfg.generator
     assert (a.policy_loss_type, a.advantage_estimator, cfg.environment.env_class) == ("beam_dapo", "beam_grpo", "beam_arithmetic")
     assert (a.eps_clip_low, a.eps_clip_high, a.loss_reduction) == (0.2, 0.28, "token_mean")
@@ -253,7 +253,7 @@ def test_recipe_parses_into_skyrl_config_and_validates(registered):
     assert cfg.trainer.seed == 7
     skyrl_module("skyrl.train.utils").validate_cfg(cfg)  # SkyRL's own checks, including our names being registered
     with pytest.raises(Exception, match="no_such_key"):
-        load_config(ROOT / "recipes/skyrl/beam-dapo.yaml", ["trainer.algorithm.no_such_key=1"])
+        load_config(ROOT / "recipes/skyrl/dapo-bf16.yaml", ["trainer.algorithm.no_such_key=1"])
 
 
 @needs_skyrl

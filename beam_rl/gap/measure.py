@@ -229,7 +229,7 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
     is started and shut down here. The trainer defines attention as the engine reports computing it."""
     import numpy as np
 
-    from beam_rl.model.checkpoint import load_config
+    from beam_rl.model.checkpoint import load_config, verify_checkpoint
     from beam_rl.model.presets import get_preset
 
     if opts.mode not in MODES:
@@ -253,11 +253,10 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
             raise InputError(f"prompt + --max-tokens = {max_len} exceeds max_position_embeddings={config.max_position_embeddings}")
         lora = TRAIN_MODES[opts.mode].lora
 
-        # The trainer first: it reads (and so checks) every tensor before an engine starts on the
-        # directory, and the adapter must exist before vLLM samples with it.
-        trainer = build_gap_trainer(checkpoint, config, opts)
-        lora_dir = None
-        if lora:
+        verify_checkpoint(checkpoint)  # every tensor checked before an engine starts on the directory
+        trainer, lora_dir = None, None
+        if lora:  # the adapter must exist before vLLM samples with it
+            trainer = build_gap_trainer(checkpoint, config, opts)
             lora_dir = tmp / "adapter"
             trainer.save_adapter(lora_dir, base=checkpoint)
         own_engine = engine is None
@@ -269,6 +268,8 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
         finally:
             if own_engine:
                 engine.shutdown()
+        if trainer is None:  # after the engine: an in-process engine's shutdown tears down torch.distributed's default group
+            trainer = build_gap_trainer(checkpoint, config, opts)
         trainer.set_attention_probs(probs)  # as this engine computed attention
         report: dict = {"mode": opts.mode, "bound": opts.bound, "checkpoint": opts.checkpoint or f"preset:{opts.preset}",
                         "num_sequences": len(batch), "max_tokens": opts.max_tokens,

@@ -5,8 +5,10 @@
   trainer.algorithm.advantage_estimator=beam_grpo   -> beam_rl.skyrl.advantages (beam_rl.dapo.advantages.group_normalized)
   environment.env_class=beam_arithmetic             -> beam_rl.skyrl.env (beam_rl.tasks.arithmetic.integer_reward)
 and `beam_rl.skyrl.trainer` adds the soft overlong punishment (beam_rl.dapo.overlong) to the
-training rollouts. SkyRL is imported only here, lazily; without it the error names the install
-command (`beam_rl.skyrl._compat.INSTALL`). Launch: scripts/skyrl_dapo.sh; details: docs/skyrl.md.
+training rollouts. SkyRL is imported only lazily; without it the error names the install command
+(`beam_rl.skyrl._compat.INSTALL`). `worker_setup` is the Ray setup hook of a run (patches,
+environment, Beam's Megatron-Bridge bridge). Launch: `beam-rl launch` (`beam_rl.skyrl.launch`);
+details: docs/skyrl.md.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from beam_rl.skyrl.advantages import NAME as ADVANTAGE_NAME
 from beam_rl.skyrl.env import NAME as ENV_NAME
 from beam_rl.skyrl.loss import NAME as LOSS_NAME
 
-__all__ = ["ADVANTAGE_NAME", "ENV_NAME", "INSTALL", "LOSS_NAME", "SkyRLMissing", "register", "register_env", "worker_setup"]
+__all__ = ["ADVANTAGE_NAME", "ENV_NAME", "INSTALL", "LOSS_NAME", "SkyRLMissing", "register", "register_beam_bridge",
+           "register_env", "worker_setup"]
 
 ENV_ENTRY_POINT = "beam_rl.skyrl.env:make_env"
 
@@ -46,7 +49,26 @@ def register() -> dict[str, str]:
     return {"policy_loss_type": LOSS_NAME, "advantage_estimator": ADVANTAGE_NAME, "env_class": ENV_NAME}
 
 
+def register_beam_bridge() -> None:
+    """Beam's Megatron-Bridge bridge (`beam_rl.megatron.bridge.register_bridge`); idempotent. SkyRL
+    builds and exports every Megatron model through Megatron-Bridge."""
+    try:
+        from beam_rl.megatron.bridge import register_bridge
+    except ImportError as exc:
+        raise SkyRLMissing(f"a SkyRL run on Beam needs Beam's Megatron-Bridge bridge (beam_rl.megatron.bridge) and "
+                           f"megatron-bridge 0.3.1: {exc}") from exc
+    register_bridge()
+
+
 def worker_setup() -> None:
-    """Ray `worker_process_setup_hook`: SkyRL's Python 3.11 import fix and the environment."""
+    """Ray `worker_process_setup_hook` of a Beam run: SkyRL's Python 3.11 import fix, the
+    environment, the SkyRL patches (`beam_rl.skyrl.patches.apply_all`, each applied when SkyRL
+    imports its target) and Beam's bridge, registered right before SkyRL's Megatron worker module
+    imports (it imports Megatron-Bridge): processes that never train load neither."""
+    from beam_rl.skyrl.imports import before_import
+    from beam_rl.skyrl.patches import MEGATRON_WORKER, apply_all
+
     skyrl_module("skyrl.backends")
     register_env()
+    apply_all()
+    before_import(MEGATRON_WORKER, register_beam_bridge)
