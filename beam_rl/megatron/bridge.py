@@ -26,6 +26,8 @@ import importlib.util
 import sys
 import types
 
+from beam_rl.importhooks import next_spec
+
 _TE = "transformer_engine"
 MEGATRON_BRIDGE_VERSION = "0.3.1"
 # What SkyRL 0.3.0's Megatron worker imports from Megatron-Bridge at module level; all of it must
@@ -114,13 +116,8 @@ class _TEStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
         if _is_te(name):
             return importlib.machinery.ModuleSpec(name, self, is_package=True) if self.visible[-1] else None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = next_spec(self, name, path, target)
+        if spec is None:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _Scoped(self, spec.loader, visible=name == "megatron.bridge" or name.startswith("megatron.bridge."))

@@ -16,6 +16,8 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
+from beam_rl.importhooks import next_spec
+
 
 class _Then(importlib.abc.Loader):
     """`real`, then the callbacks on the executed module."""
@@ -50,13 +52,8 @@ class _Watcher(importlib.abc.MetaPathFinder):
             return None
         for fn in self.before.pop(name, []):
             fn()
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = next_spec(self, name, path, target)
+        if spec is None:
             return None
         callbacks = self.after.pop(name, [])
         if callbacks and spec.loader is not None and hasattr(spec.loader, "exec_module"):
