@@ -20,7 +20,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; else vl
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process did torch work: don't fork
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from beam_rl.model import numerics  # noqa: E402
 from beam_rl.model.checkpoint import read_tensors, save_checkpoint  # noqa: E402
 from beam_rl.model.modeling import build_model, load_checkpoint  # noqa: E402
 from beam_rl.rollout.routing import fetch_routed_experts, moe_layers  # noqa: E402

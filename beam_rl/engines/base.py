@@ -17,7 +17,6 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 

@@ -107,7 +107,7 @@ def check_beam_settings(cfg) -> None:
 def check_layout(cfg, model: Model) -> dict:
     """Trainer and vLLM layouts against the GPUs and the model; returns the sizes for the summary."""
     c = model.config
-    t, mc, ie, pl = cfg.trainer, cfg.trainer.policy.megatron_config, cfg.generator.inference_engine, cfg.trainer.placement
+    mc, ie, pl = cfg.trainer.policy.megatron_config, cfg.generator.inference_engine, cfg.trainer.placement
     gpus = pl.policy_num_nodes * pl.policy_num_gpus_per_node
     tp, pp, cp, ep = (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size,
                       mc.expert_model_parallel_size)
