@@ -270,3 +270,24 @@ def test_leftovers_of_killed_runs_are_removed(tmp_path):
     finally:
         for d in (gone, live):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_resumed_metrics_hold_each_step_once(tmp_path):
+    """After a resume from step 1, metrics.jsonl and TensorBoard hold every step once."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from beam_rl.dapo.metrics import MetricsWriter, read_metrics
+
+    first = MetricsWriter(tmp_path)
+    for step in (1, 2, 3):  # a run killed after step 3, its checkpoint at step 1
+        first.write({"step": step, "reward_mean": float(step)})
+    first.close()
+    resumed = MetricsWriter(tmp_path, resume_step=1)
+    for step in (2, 3):
+        resumed.write({"step": step, "reward_mean": 10.0 * step})
+    resumed.close()
+    assert [(m["step"], m["reward_mean"]) for m in read_metrics(tmp_path)] == [(1, 1.0), (2, 20.0), (3, 30.0)]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 1.0), (2, 20.0), (3, 30.0)]
