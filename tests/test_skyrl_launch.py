@@ -9,14 +9,11 @@ from pathlib import Path
 import pytest
 
 from beam_rl.cli import main
-from beam_rl.skyrl._compat import SkyRLMissing, skyrl_module
+from beam_rl.skyrl._compat import skyrl_module
 
-try:
-    skyrl_module("skyrl.train.config")
-    SKIP = None
-except SkyRLMissing as exc:  # pragma: no cover - depends on the environment
-    SKIP = str(exc)
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"SkyRL 0.3.0 not installed: {SKIP}")
+from skyrl_available import needs_skyrl  # noqa: E402
+
+pytestmark = needs_skyrl
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ["dapo-bf16", "dapo-lora", "dapo-mxfp8", "dapo-bf16-501b"]

@@ -20,14 +20,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from beam_rl.skyrl._compat import SkyRLMissing, skyrl_module
+from beam_rl.skyrl._compat import skyrl_module
 
-try:
-    skyrl_module("skyrl.train.config")
-    SKIP = None
-except SkyRLMissing as exc:  # pragma: no cover - depends on the environment
-    SKIP = str(exc)
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"SkyRL 0.3.0 not installed: {SKIP}")
+from skyrl_available import needs_skyrl  # noqa: E402
+
+pytestmark = needs_skyrl
 
 from beam_rl.skyrl import patches as P  # noqa: E402
 
