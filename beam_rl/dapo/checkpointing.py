@@ -3,7 +3,7 @@
 A checkpoint holds `hf/` (the trainer's weights as an HF checkpoint: BF16 parameters, FP32 router),
 `trainer.pt` (step, run id, FP32 master weights and AdamW state, LoRA adapters, the data order's
 position, the Python / NumPy / torch RNG states and the base of the vLLM sampling seeds) and
-`checksums.json` (sha256 of every file, written last). A directory without the final name is
+`checksums.json` (the run id and the sha256 of every file, written last). A directory without the final name is
 incomplete and ignored; `latest()` returns the newest checkpoint of the run whose files still match
 their checksums, falling back past damaged ones, and `--resume` continues from it with results
 identical to an uninterrupted run.
@@ -48,7 +48,8 @@ def save(run_dir: Path, step: int, hf_tensors: dict[str, torch.Tensor], config, 
         save_file({k: v.contiguous() for k, v in hf_tensors.items()}, tmp / "hf" / "model.safetensors", metadata={"format": "pt"})
         config.save_pretrained(tmp / "hf")
         torch.save({**trainer_state, "step": step, "rng": rng_state()}, tmp / "trainer.pt")
-        (tmp / CHECKSUMS).write_text(json.dumps(_file_checksums(tmp), indent=1))
+        record = {"run_id": trainer_state.get("run_id"), "files": _file_checksums(tmp)}
+        (tmp / CHECKSUMS).write_text(json.dumps(record, indent=1))
     return final
 
 
@@ -67,17 +68,16 @@ def damage(ckpt: Path, run_id: str | None = None) -> str | None:
     """Why checkpoint `ckpt` cannot be resumed from (None: it is intact and belongs to `run_id`)."""
     ckpt = Path(ckpt)
     try:
-        want = json.loads((ckpt / CHECKSUMS).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        record = json.loads((ckpt / CHECKSUMS).read_text())
+        want, owner = dict(record["files"]), record["run_id"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         return f"no readable {CHECKSUMS} ({type(e).__name__})"
     have = _file_checksums(ckpt)
     bad = sorted(n for n in set(want) | set(have) if want.get(n) != have.get(n))
     if bad:
         return f"file(s) {bad[:3]} differ from the checksums written with the checkpoint"
-    if run_id is not None:
-        owner = load_trainer_state(ckpt).get("run_id")
-        if owner != run_id:
-            return f"it belongs to run {owner}, not to this directory's run {run_id}"
+    if run_id is not None and owner != run_id:
+        return f"it belongs to run {owner}, not to this directory's run {run_id}"
     return None
 
 

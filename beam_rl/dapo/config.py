@@ -172,6 +172,11 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA settings (mode 'lora')."""
 
+    @property
+    def serves_adapter(self) -> bool:
+        """LoRA synced to the rollout engine as a PEFT adapter (not merged into the weights)."""
+        return self.mode == "lora" and not self.lora.merge
+
 
 @dataclass
 class Recipe:

@@ -108,12 +108,12 @@ class Job:
             raise ValueError(f"model.preset={recipe.model.preset}: vocab {self.config.vocab_size} < tokenizer {self.tok.vocab_size}")
         self.data = DataOrder(len(self.task.train), recipe.run.seed)
         self.lora = recipe.train.mode == "lora"
-        self.sync_adapter = self.lora and not recipe.train.lora.merge
+        self.sync_adapter = recipe.train.serves_adapter
         self.start_step, self.timings = 0, {}
         for p in rundir.clean_leftovers(self.run_dir):
             self.log(f"removed the leftover {p} of an interrupted run")
-        ckpt = self._claim_run_dir(resume, overwrite)
-        self._build_policy(ckpt)
+        ckpt, state = self._claim_run_dir(resume, overwrite)
+        self._build_policy(ckpt, state)
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.start_step if ckpt else None)
         base_tensors = self.policy.export(merged=self.lora and recipe.train.lora.merge)
         nbytes = sum(t.numel() * t.element_size() for t in base_tensors.values())
@@ -143,14 +143,15 @@ class Job:
         return EngineSettings(
             model=str(model_dir), tokenizer=str(model_dir), seed=recipe.run.seed, max_model_len=ro.max_model_len,
             max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, kv_cache_gib=ro.kv_cache_gib,
-            lora_rank=recipe.train.lora.r if recipe.train.mode == "lora" and not recipe.train.lora.merge else None,
+            lora_rank=recipe.train.lora.r if recipe.train.serves_adapter else None,
             gpu_memory_utilization=ro.gpu_memory_utilization, sleep_mode=ro.sleep_between_phases,
             processed_logprobs=ro.temperature != 1.0,
             log_file=str(Path(run_dir) / "engine.log") if run_dir is not None else None)
 
     # -- construction / resume -------------------------------------------------------------------
-    def _claim_run_dir(self, resume: bool, overwrite: bool) -> Path | None:
-        """Set `self.run_id`; returns the checkpoint to resume from (None: start at step 0)."""
+    def _claim_run_dir(self, resume: bool, overwrite: bool) -> tuple[Path | None, dict | None]:
+        """Set `self.run_id`; returns the checkpoint to resume from and its trainer state (None, None:
+        start at step 0)."""
         recipe = recipe_to_dict(self.r)
         self.run_id = rundir.run_id_of(self.run_dir) if resume else None
         if self.run_id is None:
@@ -158,19 +159,19 @@ class Job:
                 raise RecipeError(f"--resume: {self.run_dir} holds results but no {rundir.RUN_FILE}, so nothing says which run "
                                   "they belong to; pass --overwrite to start over there, or choose another --out")
             self.run_id = rundir.start_fresh(self.run_dir, overwrite=overwrite, recipe_dict=recipe)
-            return None
+            return None, None
         rundir.check_same_recipe(self.run_dir, recipe)
         ckpt = checkpointing.latest(self.run_dir, self.run_id, log=self.log)
         if ckpt is None:
             self.log(f"--resume: no intact checkpoint under {self.run_dir / 'checkpoints'}; starting this run from step 0")
-            return None
-        rundir.check_metrics_reach(self.run_dir, int(checkpointing.load_trainer_state(ckpt)["step"]))
-        return ckpt
+            return None, None
+        state = checkpointing.load_trainer_state(ckpt)
+        rundir.check_metrics_reach(self.run_dir, int(state["step"]))
+        return ckpt, state
 
-    def _build_policy(self, ckpt: Path | None) -> None:
+    def _build_policy(self, ckpt: Path | None, state: dict | None) -> None:
         r = self.r
         if ckpt is not None:
-            state = checkpointing.load_trainer_state(ckpt)
             hf = dict(read_tensors(ckpt / "hf", self.config))
             self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute)
         else:

@@ -169,14 +169,12 @@ class MegatronTrainer(TrainerBackend):
         return {k: v.detach().contiguous().cpu().clone() for k, v in items}
 
     def save_adapter(self, path, base: str = "") -> dict[str, torch.Tensor]:
-        from beam_rl.megatron.lora import peft_items, save_peft_adapter
-        from beam_rl.model.names import peft_key
+        from beam_rl.megatron.lora import save_peft_adapter
 
         if self.lora_settings is None:
             raise RuntimeError("the trainer has no LoRA adapters; call add_lora first")
         r, alpha = self.lora_settings
-        save_peft_adapter(self.model, path, self.config, r=r, alpha=alpha, base_model_name_or_path=base)
-        return {peft_key(hf, m): t for hf, _, a, b in peft_items(self.model) for m, t in (("A", a), ("B", b))}
+        return save_peft_adapter(self.model, path, self.config, r=r, alpha=alpha, base_model_name_or_path=base)
 
     def load_adapter(self, path) -> None:
         from beam_rl.megatron.lora import load_peft_adapter

@@ -71,11 +71,7 @@ class VLLMEngine(RolloutEngine):
     def update_weights(self, path, checksums: dict[str, str]) -> None:
         from beam_rl.rollout.reload import reload_weights
 
-        received = reload_weights(self.llm, path)[0]
-        try:
-            compare_checksums(f"in-process engine ({path})", checksums, received)
-        except SyncError as e:
-            raise SyncError(f"{e}; stopping instead of rolling out with stale weights") from None
+        _verified(f"in-process engine ({path})", checksums, reload_weights(self.llm, path)[0])
 
     def load_adapter(self, path, sent: dict[str, torch.Tensor], step: int) -> Adapter:
         from safetensors.torch import load_file
@@ -83,11 +79,8 @@ class VLLMEngine(RolloutEngine):
         if not self.settings.lora_rank:
             raise RuntimeError("the engine serves no LoRA adapters; start it with EngineSettings.lora_rank")
         got = load_file(str(Path(path) / PEFT_WEIGHTS))
-        want = {k: tensor_checksum(v.detach().float().contiguous().cpu()) for k, v in sent.items()}
-        have = {k: tensor_checksum(v) for k, v in got.items()}
-        if want != have:
-            bad = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
-            raise SyncError(f"LoRA adapter {path} does not hold the trained adapter tensors (e.g. {bad[:3]}); stopping")
+        _verified(f"LoRA adapter {path}", {k: tensor_checksum(v.detach().float().contiguous().cpu()) for k, v in sent.items()},
+                  {k: tensor_checksum(v) for k, v in got.items()})
         return Adapter(f"policy-{step}", step + 1, str(path))
 
     def sleep(self) -> None:
@@ -110,6 +103,14 @@ class VLLMEngine(RolloutEngine):
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+
+
+def _verified(what: str, sent: dict[str, str], received: dict[str, str]) -> None:
+    """`compare_checksums` for the loop's own engine: a mismatch stops the run before it rolls out."""
+    try:
+        compare_checksums(what, sent, received)
+    except SyncError as e:
+        raise SyncError(f"{e}; stopping instead of rolling out with stale weights") from None
 
 
 def _per_prompt(sampling: Sampling | list[Sampling], n: int) -> list[Sampling]:

@@ -145,8 +145,9 @@ def peft_items(model: torch.nn.Module, layer_offset: int = 0):
 
 
 def save_peft_adapter(model: torch.nn.Module, path: str | os.PathLike, config: BeamConfig, *, r: int, alpha: float,
-                      base_model_name_or_path: str = "") -> Path:
-    """Write adapter_config.json + adapter_model.safetensors (PEFT format, HF module names)."""
+                      base_model_name_or_path: str = "") -> dict[str, torch.Tensor]:
+    """Write adapter_config.json + adapter_model.safetensors (PEFT format, HF module names); returns
+    the tensors written, by PEFT name."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tensors, modules = {}, []
@@ -165,7 +166,7 @@ def save_peft_adapter(model: torch.nn.Module, path: str | os.PathLike, config: B
         "target_modules": sorted(modules), "base_model_name_or_path": base_model_name_or_path,
     }
     (path / PEFT_CONFIG).write_text(json.dumps(adapter_config, indent=1))
-    return path
+    return tensors
 
 
 def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> None:

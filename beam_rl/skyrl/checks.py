@@ -40,24 +40,21 @@ class Model:
 
 def model_shape(cfg, preset: str | None) -> Model:
     """The Beam config of the run: the checkpoint's config.json, else the preset."""
-    from beam_rl.model.config import BeamConfig
+    from beam_rl.model.checkpoint import load_config
     from beam_rl.model.presets import PRESETS, get_preset
 
     path = cfg.trainer.policy.model.path
     config_json = Path(path) / "config.json" if path else None
     if config_json is not None and config_json.is_file():
         try:
-            raw = json.loads(config_json.read_text())
-        except json.JSONDecodeError as exc:
-            fail("trainer.policy.model.path", f"{config_json} is not JSON ({exc}); rewrite the checkpoint")
-        if raw.get("model_type") != "beam":
-            fail("trainer.policy.model.path", f"{config_json} has model_type={raw.get('model_type')!r}, not 'beam'; "
-                 "give a Beam checkpoint (beam-rl init / beam-rl dapo write them)")
-        return Model(BeamConfig.from_dict(raw), f"{config_json}", checkpoint=True)
+            config = load_config(path)  # strict: model_type, every key that defines Beam, their types
+        except InputError as exc:
+            fail("trainer.policy.model.path", str(exc))
+        return Model(config, f"{config_json}", checkpoint=True)
     if preset is None:
         fail("trainer.policy.model.path", f"{path!r} holds no Beam checkpoint (no config.json); give a checkpoint "
              f"directory (a warm-started one: beam-rl dapo --recipe recipes/mini-h200.yaml writes "
-             f"runs/mini-h200/checkpoints/step-*/hf), or set beam.preset to check a layout on paper with --dry-run")
+             f"runs/mini-h200/checkpoints/step_*/hf), or set beam.preset to check a layout on paper with --dry-run")
     if preset not in PRESETS:
         fail("beam.preset", f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     return Model(get_preset(preset), f"preset {preset} (no checkpoint at {path})", checkpoint=False)
