@@ -27,6 +27,11 @@
 #   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps)
 #   rollout_check  scripts/gpu_rollout_check.py (capture paths, parity, in-place reload A -> B -> A)
 #   tp2            scripts/gpu_rollout_check.py --tensor-parallel 2 (needs 2 GPUs; run it alone)
+#   warm           beam-rl warm-start --recipe recipes/mini-h200.yaml -> $WORK/mini-warm (the warm start
+#                  `beam-rl dapo` runs on that recipe) + SkyRL data and tokenizer (python -m beam_rl.skyrl.data)
+#   skyrl_bf16     beam-rl launch recipes/skyrl/dapo-bf16.yaml from $WORK/mini-warm, $SKYRL_STEPS steps (8);
+#   skyrl_lora     ... dapo-lora.yaml; SkyRL's per-step metrics in $OUT/skyrl_<mode>/metrics.jsonl
+#                  (the SkyRL stages need the SkyRL kits installed and run after `warm`)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/runs/h200}
@@ -58,6 +63,8 @@ stage_cmd() {
     dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200" ;;
     rollout_check) echo "python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --json $OUT/rollout_check.json" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
+    warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-warm --overwrite && python3 -m beam_rl.skyrl.data --recipe $REPO/recipes/mini-h200.yaml --out $WORK/skyrl-data --tokenizer-into $WORK/mini-warm" ;;
+    skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports" ;;
     *) echo "echo unknown stage $1; exit 2" ;;
   esac
 }

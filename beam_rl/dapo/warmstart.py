@@ -30,3 +30,39 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int) -> list[float]:
         problems = [rng.choice(task.train) for _ in range(cfg.batch_size)]
         losses.append(policy.supervised_step(*answer_batch(task, tokenizer, problems)))
     return losses
+
+
+def write_warm_start(recipe, out, *, overwrite: bool = False, log=print):
+    """`recipe`'s supervised warm start on its task (its `model` section: a checkpoint or a seeded
+    preset) written as a released-format checkpoint at `out`, for recipes that start from it
+    (`model.checkpoint: OUT`, `warm_start.steps: 0`) and for `beam-rl launch`. Returns the losses."""
+    import time
+    from pathlib import Path
+
+    from beam_rl.dapo.config import RecipeError
+    from beam_rl.engines import build_trainer
+    from beam_rl.model.checkpoint import save_tensors
+    from beam_rl.model.modeling import build_model, load_checkpoint
+    from beam_rl.model.presets import get_preset
+    from beam_rl.tasks.arithmetic import ArithmeticTask, Tokenizer
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise RecipeError(f"--out {out} is not empty; pass --overwrite to replace it, or choose another --out")
+    if recipe.warm_start.steps < 1:
+        raise RecipeError(f"warm_start.steps is {recipe.warm_start.steps} in the recipe; set it to the number of supervised steps")
+    t = recipe.task
+    task = ArithmeticTask(max_operand=t.max_operand, ops=t.ops, heldout_fraction=t.heldout_fraction, seed=t.seed)
+    tok = Tokenizer()
+    base = load_checkpoint(recipe.model.checkpoint) if recipe.model.checkpoint else build_model(get_preset(recipe.model.preset), seed=recipe.model.init_seed)
+    config = base.config
+    # The full weights train here whatever recipe.train.mode says: LoRA adapters start after the warm start.
+    mode = "bf16" if recipe.train.mode == "lora" else recipe.train.mode
+    policy = build_trainer(config, base.state_dict(), mode=mode, recompute=recipe.train.recompute)
+    del base
+    t0 = time.perf_counter()
+    losses = warm_start(policy, task, tok, recipe.warm_start, seed=recipe.run.seed)
+    log(f"warm start: {len(losses)} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - t0:.1f} s)")
+    save_tensors(policy.export(merged=False), config, out)
+    log(f"checkpoint -> {out}")
+    return losses

@@ -49,24 +49,31 @@ def atomic_directory(final: str | os.PathLike) -> Iterator[Path]:
 
 
 def save_checkpoint(model, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> Path:
-    """Write `model`'s config.json + safetensors (sharded above `max_shard_bytes`) atomically to `path`
-    (any module with a `BeamConfig` `.config` and the released tensor names in its state dict)."""
+    """Write `model`'s config.json + safetensors atomically to `path` (any module with a `BeamConfig`
+    `.config` and the released tensor names in its state dict); see `save_tensors`."""
+    return save_tensors(model.state_dict(), model.config, path, max_shard_bytes)
+
+
+def save_tensors(state: dict[str, torch.Tensor], config: BeamConfig, path: str | os.PathLike,
+                 max_shard_bytes: int = 4 << 30) -> Path:
+    """Write `config` and the released-name tensors `state` as a checkpoint at `path`, atomically,
+    sharded above `max_shard_bytes`; refuses a tensor set that is not exactly the config's."""
     path = Path(path)
-    specs = checkpoint_tensors(model.config)
-    state = model.state_dict()
+    specs = checkpoint_tensors(config)
     if set(state) != set(specs):
         raise CheckpointError(f"model state does not match the Beam tensor table: {sorted(set(state) ^ set(specs))[:5]}")
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name in specs:
         t = state[name].detach().contiguous().cpu()
+        check_shape(path, name, t.shape, specs[name])
         if shards[-1] and shard_bytes + t.nbytes > max_shard_bytes:
             shards.append({})
             shard_bytes = 0
         shards[-1][name] = t
         shard_bytes += t.nbytes
     with atomic_directory(path) as tmp:
-        model.config.save_pretrained(tmp)
+        config.save_pretrained(tmp)
         if len(shards) == 1:
             save_file(shards[0], tmp / SINGLE_NAME, metadata={"format": "pt"})
         else:
