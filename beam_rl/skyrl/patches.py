@@ -13,6 +13,7 @@ marks what it replaced, so a second call changes nothing.
 | `clear_replay_per_schedule` | `megatron_model_wrapper.get_forward_backward_func` | PR #1908 |
 | `distinct_padding_routes` | `replay_utils._split_replay_indices` | PR #1908 |
 | `keep_fp32_routers` | `MegatronWeightExtractor`, `CudaIpcWeightTransferSender` | none (HEAD still casts) |
+| `router_pd_flag` | `vllm_router.VLLMRouter.start` (vllm-router >= 0.1.16) | none |
 
 `apply_all()` checks the version once, then applies each patch when SkyRL imports its target
 (`beam_rl.skyrl.imports.after_import`): a vLLM process never imports the Megatron worker for a
@@ -41,6 +42,7 @@ MODEL_WRAPPER = "skyrl.backends.skyrl_train.workers.megatron.megatron_model_wrap
 REPLAY_UTILS = "skyrl.backends.skyrl_train.utils.replay_utils"
 MEGATRON_WORKER = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
 CUDA_IPC = "skyrl.backends.skyrl_train.weight_sync.cuda_ipc_strategy"
+ROUTER = "skyrl.backends.skyrl_train.inference_servers.vllm_router"
 
 _MARK = "__beam_rl_patch__"
 
@@ -346,6 +348,21 @@ def _fp32_ipc_sender(module: ModuleType) -> None:
     cls._send_chunks_vllm_native = _mark(_send_chunks_vllm_native, "keep_fp32_routers")
 
 
+# -- f. vllm-router 0.1.16+ ---------------------------------------------------------------------------
+def router_pd_flag(module: ModuleType | None = None) -> None:
+    """vllm-router 0.1.16 dropped `RouterArgs.pd_disaggregation` (only `vllm_pd_disaggregation`
+    is left; its Rust router refuses the old keyword), but SkyRL 0.3.0's `VLLMRouter.start` still
+    reads it after the router is up (AttributeError at the first launch). `RouterArgs` gets a
+    class-level `pd_disaggregation = False`: not a dataclass field, so `Router.from_args`
+    (`vars(args)`) never passes it to the router. A vllm-router that still has the field is left alone."""
+    require_skyrl("router_pd_flag", "no upstream fix")
+    module = module or skyrl_module(ROUTER)
+    cls = module.RouterArgs
+    if "pd_disaggregation" in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, "pd_disaggregation"):
+        return
+    cls.pd_disaggregation = False
+
+
 # -- all of them ---------------------------------------------------------------------------------------
 PATCHES = {
     "reuse_port_socket": "SkyRL PR #1854",
@@ -353,6 +370,7 @@ PATCHES = {
     "clear_replay_per_schedule": "SkyRL PR #1908",
     "distinct_padding_routes": "SkyRL PR #1908",
     "keep_fp32_routers": "no upstream fix",
+    "router_pd_flag": "no upstream fix",
 }
 
 
@@ -367,6 +385,7 @@ def apply_all() -> None:
     after_import(REPLAY_UTILS, distinct_padding_routes)
     after_import(MEGATRON_WORKER, _apply_fp32_extractor)
     after_import(CUDA_IPC, _apply_fp32_ipc_sender)
+    after_import(ROUTER, router_pd_flag)
 
 
 def _apply_fp32_extractor(module: ModuleType) -> None:
