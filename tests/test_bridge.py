@@ -47,10 +47,10 @@ WORLDS = {
 
 def skyrl_settings(provider, *, tp=1, ep=1, etp=1, gpu=False):
     """What SkyRL 0.3.0's `MegatronWorker.init_configs` sets on the provider, with the beam-rl recipe's
-    values (flash attention and grouped GEMM off, R3 on), then `finalize()`. `gpu=False` (models run
-    here): the allgather dispatcher (SkyRL's alltoall needs CUDA streams), hence
-    `variable_seq_lengths=False` (megatron-core refuses it with allgather), no activation recompute.
-    `gpu=True`: SkyRL's defaults for those (alltoall, True, full recompute, expert TP unset)."""
+    values (flash attention and grouped GEMM off, R3 on; SkyRL always sets `variable_seq_lengths`, which
+    megatron-core accepts with the alltoall dispatcher only), then `finalize()`. `gpu=False` (models
+    run here): no activation recompute, the recipe's expert TP. `gpu=True`: SkyRL's defaults for
+    those (full recompute, expert TP unset)."""
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = 1
     provider.pipeline_dtype = torch.bfloat16
@@ -59,9 +59,9 @@ def skyrl_settings(provider, *, tp=1, ep=1, etp=1, gpu=False):
     provider.expert_tensor_parallel_size = None if gpu else etp
     provider.sequence_parallel = tp > 1
     provider.attention_backend = "fused"
-    provider.variable_seq_lengths = gpu
+    provider.variable_seq_lengths = True
     provider.masked_softmax_fusion = True
-    provider.moe_token_dispatcher_type = "alltoall" if gpu else "allgather"
+    provider.moe_token_dispatcher_type = "alltoall"
     provider.moe_router_load_balancing_type = "none"
     provider.moe_aux_loss_coeff = 0.0
     provider.moe_router_dtype = "fp32"

@@ -177,6 +177,9 @@ def test_beam_settings_named(files, capsys):
                         "without a FlashAttention path; set false")
     err = one_line_error(capsys, BF16, "--dry-run", *files["data"], "trainer.policy.megatron_config.tensor_model_parallel_size=two")
     assert "tensor_model_parallel_size='two': expected int" in err
+    err = one_line_error(capsys, BF16, "--dry-run", *files["data"], "trainer.policy.megatron_config.moe_token_dispatcher_type=allgather")
+    assert err.endswith("moe_token_dispatcher_type: allgather: SkyRL's Megatron worker sets variable_seq_lengths, which "
+                        "megatron-core accepts with the alltoall or flex dispatcher only (ValueError at model init); set alltoall")
 
 
 def test_launch_without_gpus_stops_before_ray(files, capsys):

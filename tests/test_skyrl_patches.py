@@ -41,7 +41,7 @@ def fresh(monkeypatch, owner, *attrs):
 
 # -- versions ------------------------------------------------------------------------------------------
 PATCH_FUNCTIONS = [P.reuse_port_socket, P.load_weights_via_update_target, P.clear_replay_per_schedule,
-                   P.distinct_padding_routes, P.keep_fp32_routers, P.apply_all]
+                   P.distinct_padding_routes, P.keep_fp32_routers, P.router_pd_flag, P.apply_all]
 
 
 @pytest.mark.parametrize("fn", PATCH_FUNCTIONS, ids=lambda f: f.__name__)
@@ -408,3 +408,20 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_router_pd_flag_reads_false_and_never_reaches_the_router():
+    """vllm-router 0.1.17 (what SkyRL 0.3.0 installs) lacks `pd_disaggregation`; after the patch SkyRL's
+    `VLLMRouter.start` reads False, while `Router.from_args`'s `vars(args)` still holds only real fields."""
+    import dataclasses
+
+    pytest.importorskip("vllm_router", reason="vllm-router not installed: pip install --no-deps vllm-router==0.1.17")
+    from vllm_router.router_args import RouterArgs
+
+    module = skyrl_module(P.ROUTER)
+    P.router_pd_flag(module)
+    P.router_pd_flag(module)  # idempotent
+    args = RouterArgs(worker_urls=["http://127.0.0.1:1"])
+    assert module.RouterArgs is RouterArgs and args.pd_disaggregation is False
+    assert "pd_disaggregation" not in vars(args)
+    assert "pd_disaggregation" not in {f.name for f in dataclasses.fields(RouterArgs)}

@@ -12,16 +12,20 @@ replaces exactly one of them, only when CUDA is unavailable, and is idempotent
    the generator that matters is the CPU one; the patches save / restore `torch.get_rng_state()`.
 3. `CudaRNGStatesTracker.add` seeds through `torch.cuda.manual_seed` + `torch.cuda.get_rng_state`;
    patched to build the state with a CPU generator, so `model_parallel_cuda_manual_seed` works.
+4. The alltoall token dispatcher (the one SkyRL's `variable_seq_lengths=True` requires) creates a
+   `torch.cuda.Stream` for its device-to-host copies of the split sizes and waits on it.
+   On CPU every tensor is already on the host: `_maybe_dtoh_and_synchronize` becomes what that
+   copy leaves behind without a stream, i.e. at the copy point the split sizes as numpy arrays
+   (as the GPU path makes them, and as gloo's all_to_all_single takes them), nothing else changed.
 
 Multi-rank worlds (tensor / sequence / expert parallelism over gloo, one process per rank with
 RANK / WORLD_SIZE / LOCAL_RANK set) need nothing more: torch 2.13's gloo implements the
 all_gather_into_tensor / reduce_scatter_tensor that Megatron's TP, SP and allgather-dispatcher
-paths call (tests/test_megatron_parallel.py runs TP2 and TP2 + SP with expert TP 1, TP2 with
+paths call, and the alltoall dispatcher's all_to_all_single (tests/test_megatron_parallel.py runs TP2 and TP2 + SP with expert TP 1, TP2 with
 expert TP 2, and EP2 on 2 CPU processes, re-initialising the model-parallel state between them).
 
 Not patched because Beam's provider avoids them: rotary embeddings (Beam computes its own FP32
-RoPE tables, `position_embedding_type="none"`), the alltoall token dispatcher's CUDA stream (the
-provider uses the allgather dispatcher), TE/Apex fused kernels (local spec only), and attention
+RoPE tables, `position_embedding_type="none"`), TE/Apex fused kernels (local spec only), and attention
 mask builders (Beam's attention builds its mask from position ids).
 """
 
@@ -65,6 +69,18 @@ def apply_cpu_patches() -> bool:
         self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
     mrandom.CudaRNGStatesTracker.add = tracker_add
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    def host_splits(self, point, tokens_per_expert=None):  # patch 4
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                if torch.is_tensor(getattr(self, name)):
+                    setattr(self, name, getattr(self, name).numpy())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu: no device-to-host stream"
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
     _PATCHED = True
     return True
 

@@ -118,7 +118,7 @@ class BeamModelProvider:
             moe_router_fusion=False,  # the fused path skips RouterReplay
             moe_permute_fusion=False,
             moe_grouped_gemm=False,
-            moe_token_dispatcher_type="allgather",  # alltoall needs CUDA streams; allgather works on CPU and GPU
+            moe_token_dispatcher_type="allgather",  # beam-rl's trainer (fixed lengths); SkyRL sets alltoall
             moe_enable_routing_replay=self.routing_replay,
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,

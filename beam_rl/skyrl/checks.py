@@ -84,6 +84,9 @@ def check_beam_settings(cfg) -> None:
              "which Beam's attention does not take; set false")
     if mc.context_parallel_size != 1:
         fail(f"{MC}.context_parallel_size", f"{mc.context_parallel_size}: Beam's attention has no context parallelism; set 1")
+    if mc.moe_token_dispatcher_type == "allgather":
+        fail(f"{MC}.moe_token_dispatcher_type", "allgather: SkyRL's Megatron worker sets variable_seq_lengths, which "
+             "megatron-core accepts with the alltoall or flex dispatcher only (ValueError at model init); set alltoall")
     if mc.moe_grouped_gemm:
         fail(f"{MC}.moe_grouped_gemm", "true: Beam's experts sum FP32 gate-weighted outputs (beam_rl.megatron.router); set false")
     if mc.moe_router_dtype != "fp32":

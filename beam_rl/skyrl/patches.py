@@ -354,7 +354,8 @@ def router_pd_flag(module: ModuleType | None = None) -> None:
     is left; its Rust router refuses the old keyword), but SkyRL 0.3.0's `VLLMRouter.start` still
     reads it after the router is up (AttributeError at the first launch). `RouterArgs` gets a
     class-level `pd_disaggregation = False`: not a dataclass field, so `Router.from_args`
-    (`vars(args)`) never passes it to the router. A vllm-router that still has the field is left alone."""
+    (`vars(args)`) never passes it to the router. A vllm-router that still has the field is left alone.
+    No upstream fix: later SkyRL sources still read the field."""
     require_skyrl("router_pd_flag", "no upstream fix")
     module = module or skyrl_module(ROUTER)
     cls = module.RouterArgs
