@@ -62,6 +62,12 @@ class TaskConfig:
     seed: int = 0
     """Seed of the train / held-out split."""
 
+    def build(self):
+        """The `ArithmeticTask` this section describes (the same split wherever it is built)."""
+        from beam_rl.tasks.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(max_operand=self.max_operand, ops=self.ops, heldout_fraction=self.heldout_fraction, seed=self.seed)
+
 
 @dataclass
 class WarmStartConfig:

@@ -34,7 +34,7 @@ from beam_rl.model.checkpoint import SINGLE_NAME, atomic_directory, read_tensors
 from beam_rl.model.modeling import build_model, load_checkpoint
 from beam_rl.model.presets import get_preset
 from beam_rl.r3 import RolloutBatch, RolloutSample
-from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, ArithmeticTask, Tokenizer, integer_reward
+from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, Tokenizer, integer_reward
 
 
 def dapo_loss_fn(mbs: list, olds: list, advs: list, masks: list, settings: LossSettings, loss_name: str):
@@ -101,8 +101,7 @@ class Job:
                  log=print, engine_log: bool = False, overwrite: bool = False):
         self.r, self.run_dir, self.log, self.progress, self.engine_log = recipe, Path(run_dir), log, progress, engine_log
         self.tok = Tokenizer()
-        t = recipe.task
-        self.task = ArithmeticTask(max_operand=t.max_operand, ops=t.ops, heldout_fraction=t.heldout_fraction, seed=t.seed)
+        self.task = recipe.task.build()
         self.config = get_preset(recipe.model.preset)
         if self.tok.vocab_size > self.config.vocab_size:
             raise ValueError(f"model.preset={recipe.model.preset}: vocab {self.config.vocab_size} < tokenizer {self.tok.vocab_size}")

@@ -44,21 +44,18 @@ def write_warm_start(recipe, out, *, overwrite: bool = False, log=print):
     from beam_rl.model.checkpoint import save_tensors
     from beam_rl.model.modeling import build_model, load_checkpoint
     from beam_rl.model.presets import get_preset
-    from beam_rl.tasks.arithmetic import ArithmeticTask, Tokenizer
+    from beam_rl.tasks.arithmetic import Tokenizer
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise RecipeError(f"--out {out} is not empty; pass --overwrite to replace it, or choose another --out")
     if recipe.warm_start.steps < 1:
         raise RecipeError(f"warm_start.steps is {recipe.warm_start.steps} in the recipe; set it to the number of supervised steps")
-    t = recipe.task
-    task = ArithmeticTask(max_operand=t.max_operand, ops=t.ops, heldout_fraction=t.heldout_fraction, seed=t.seed)
-    tok = Tokenizer()
+    task, tok = recipe.task.build(), Tokenizer()
     base = load_checkpoint(recipe.model.checkpoint) if recipe.model.checkpoint else build_model(get_preset(recipe.model.preset), seed=recipe.model.init_seed)
     config = base.config
-    # The full weights train here whatever recipe.train.mode says: LoRA adapters start after the warm start.
-    mode = "bf16" if recipe.train.mode == "lora" else recipe.train.mode
-    policy = build_trainer(config, base.state_dict(), mode=mode, recompute=recipe.train.recompute)
+    # as `beam-rl dapo` builds its policy before the warm start (LoRA adapters are added after it)
+    policy = build_trainer(config, base.state_dict(), mode=recipe.train.mode, recompute=recipe.train.recompute)
     del base
     t0 = time.perf_counter()
     losses = warm_start(policy, task, tok, recipe.warm_start, seed=recipe.run.seed)

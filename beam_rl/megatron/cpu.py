@@ -21,12 +21,13 @@ replaces exactly one of them, only when CUDA is unavailable, and is idempotent
 Multi-rank worlds (tensor / sequence / expert parallelism over gloo, one process per rank with
 RANK / WORLD_SIZE / LOCAL_RANK set) need nothing more: torch 2.13's gloo implements the
 all_gather_into_tensor / reduce_scatter_tensor that Megatron's TP, SP and allgather-dispatcher
-paths call, and the alltoall dispatcher's all_to_all_single (tests/test_megatron_parallel.py runs TP2 and TP2 + SP with expert TP 1, TP2 with
-expert TP 2, and EP2 on 2 CPU processes, re-initialising the model-parallel state between them).
+paths call and the alltoall dispatcher's all_to_all_single (tests/test_megatron_parallel.py runs
+TP2 and TP2 + SP with expert TP 1, TP2 with expert TP 2, and EP2 on 2 CPU processes,
+re-initialising the model-parallel state between them; tests/test_bridge.py the same with alltoall).
 
 Not patched because Beam's provider avoids them: rotary embeddings (Beam computes its own FP32
-RoPE tables, `position_embedding_type="none"`), TE/Apex fused kernels (local spec only), and attention
-mask builders (Beam's attention builds its mask from position ids).
+RoPE tables, `position_embedding_type="none"`), TE/Apex fused kernels (local spec only), and
+attention mask builders (Beam's attention builds its mask from position ids).
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ def task_from_recipe(path: str | None) -> ArithmeticTask:
         return ArithmeticTask()
     from beam_rl.dapo.config import load_recipe
 
-    t = load_recipe(path).task
-    return ArithmeticTask(max_operand=t.max_operand, ops=t.ops, heldout_fraction=t.heldout_fraction, seed=t.seed)
+    return load_recipe(path).task.build()
 
 
 def write_data(task: ArithmeticTask, out: str | Path) -> dict[str, Path]:
