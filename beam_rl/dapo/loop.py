@@ -27,11 +27,10 @@ from beam_rl.dapo.loss import LossSettings, policy_loss
 from beam_rl.dapo.metrics import MetricsWriter
 from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
 from beam_rl.dapo.sampling import DynamicSampler
-from beam_rl.dapo.warmstart import warm_start
+from beam_rl.dapo.warmstart import initial_policy
 from beam_rl.engines import EngineSettings, RolloutEngine, Sampling, build_trainer, start_rollout_engine
 from beam_rl.engines.base import checksums_of
 from beam_rl.model.checkpoint import SINGLE_NAME, atomic_directory, read_tensors
-from beam_rl.model.modeling import build_model, load_checkpoint
 from beam_rl.model.presets import get_preset
 from beam_rl.r3 import RolloutBatch, RolloutSample
 from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, Tokenizer, integer_reward
@@ -174,13 +173,7 @@ class Job:
             hf = dict(read_tensors(ckpt / "hf", self.config))
             self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute)
         else:
-            base = load_checkpoint(r.model.checkpoint) if r.model.checkpoint else build_model(self.config, seed=r.model.init_seed)
-            self.policy = build_trainer(self.config, base.state_dict(), mode=r.train.mode, recompute=r.train.recompute)
-            if r.warm_start.steps:
-                t0 = time.perf_counter()
-                losses = warm_start(self.policy, self.task, self.tok, r.warm_start, seed=r.run.seed)
-                self.log(f"warm start: {r.warm_start.steps} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-                         f"({time.perf_counter() - t0:.1f} s)")
+            self.policy, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
         if self.lora:
             self.policy.add_lora(r.train.lora.r, r.train.lora.alpha, seed=r.run.seed)
         self.policy.make_optimizer(lr=r.train.lr, betas=r.train.betas, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip)
