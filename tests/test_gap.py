@@ -69,22 +69,25 @@ cpu_attn._get_attn_isa = lambda *args, **kwargs: "vec"
 from beam_rl.gap import GapOptions
 from beam_rl.gap.measure import run_gap
 report = run_gap(GapOptions(preset="beam-tiny", mode="bf16", num_prompts=8, max_tokens=32, progress=False))
-print(json.dumps({k: report[k] for k in ("engine_attention_probs", "r3_on")}))
+print(json.dumps({k: report[k] for k in ("engine_attention", "r3_on")}))
 """
 
 
 def test_trainer_follows_the_engines_attention_kernels():
     """The trainer defines attention as the engine reports computing it. Here vLLM's CPU attention is
     forced to its "vec" kernels, which keep P in FP32, as a worker without AMX runs them (a worker can
-    pick them on an AMX machine): the engine reports exact probabilities, the trainer runs FP32
-    attention and the R3 gap stays under the bar."""
+    pick them on an AMX machine): the engine reports exact probabilities and its kernel library's
+    output rounding, the trainer runs FP32 attention rounded the same way and the R3 gap stays under
+    the bar."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     proc = subprocess.run([sys.executable, "-c", _FORCED_VEC_GAP], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"\nforced vec: {report}")
-    assert report["engine_attention_probs"] == "exact"
+    from beam_rl.rollout.worker import cpu_kernel_bf16_rounding
+
+    assert report["engine_attention"] == {"probs": "exact", "output_rounding": cpu_kernel_bf16_rounding()}
     assert report["r3_on"]["mean_abs_logprob_diff"] < 0.01 and report["r3_on"]["router_disagreement"] == 0.0
 
 

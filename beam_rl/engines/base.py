@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from beam_rl.model.config import BeamConfig
+from beam_rl.model.numerics import AttentionNumerics
 from beam_rl.r3 import RolloutBatch, TrainerBatch
 
 
@@ -109,9 +110,10 @@ class RolloutEngine(ABC):
     """A running rollout engine on one Beam checkpoint."""
 
     config: BeamConfig
-    attention_probs: str
-    """How the engine rounds attention probabilities before P.V (`beam_rl.model.numerics.attention`
-    `probs=`: "exact" or "bf16"), asked of the running engine; a trainer defines attention the same way."""
+    attention_numerics: AttentionNumerics
+    """How the engine's attention rounds (probabilities before P.V, the output to BF16:
+    `beam_rl.model.numerics.AttentionNumerics`), asked of the running engine; a trainer defines
+    attention the same way."""
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: Sampling | list[Sampling], *, adapter: Adapter | None = None,
@@ -174,8 +176,8 @@ class TrainerBackend(ABC):
     config: BeamConfig
 
     @abstractmethod
-    def set_attention_probs(self, probs: str) -> None:
-        """Define attention as the rollout engine computes it (`RolloutEngine.attention_probs`)."""
+    def set_attention_numerics(self, kernel: AttentionNumerics) -> None:
+        """Define attention as the rollout engine computes it (`RolloutEngine.attention_numerics`)."""
 
     @abstractmethod
     def add_lora(self, r: int, alpha: float, seed: int) -> None:

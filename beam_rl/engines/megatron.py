@@ -16,6 +16,7 @@ from beam_rl.engines.base import TRAIN_MODES, TrainerBackend, TrainLoss
 from beam_rl.megatron import replay as r3
 from beam_rl.megatron.logprobs import sequence_logprobs
 from beam_rl.model.config import BeamConfig
+from beam_rl.model.numerics import AttentionNumerics
 from beam_rl.r3 import TrainerBatch
 
 # `BeamModelProvider.mode` of each training precision (no MXFP8 tensor cores on Hopper: emulated)
@@ -75,16 +76,16 @@ class MegatronTrainer(TrainerBackend):
             raise ValueError(f"train.mode={mode!r}; choose from {sorted(TRAIN_MODES)}")
         init_single_process(seed=seed)
         self.config, self.mode = config, TRAIN_MODES[mode]
-        # attention "exact" until the rollout engine reports how it computes it (`set_attention_probs`)
+        # attention as the spec until the rollout engine reports how it computes it (`set_attention_numerics`)
         self.model = BeamModelProvider(config, mode=PROVIDER_MODES[self.mode.precision], recompute=recompute,
-                                       attention_dtype=trainer_attention_dtype("exact")).provide_loaded(hf_tensors).train()
+                                       attention_dtype=trainer_attention_dtype(AttentionNumerics())).provide_loaded(hf_tensors).train()
         self.optimizer: MasterAdamW | None = None
         self.lora_settings: tuple[int, float] | None = None
 
-    def set_attention_probs(self, probs: str) -> None:
-        from beam_rl.megatron.attention import set_attention_dtype, trainer_attention_dtype
+    def set_attention_numerics(self, kernel: AttentionNumerics) -> None:
+        from beam_rl.megatron.attention import set_attention_numerics
 
-        set_attention_dtype(self.model, trainer_attention_dtype(probs))
+        set_attention_numerics(self.model, kernel)
 
     def add_lora(self, r: int, alpha: float, seed: int) -> None:
         from beam_rl.megatron.lora import add_lora

