@@ -4,7 +4,8 @@ Run offline once; the output is committed as package data:
     python scripts/build_tokenizer.py
 It writes `tokenizer.json` (HF `tokenizers`, WordLevel over single characters) and
 `tokenizer_config.json` (PreTrainedTokenizerFast), which transformers and vLLM load normally.
-The vocabulary (19 entries) fits every Beam preset (beam-tiny has 512 ids).
+The vocabulary (85 entries: digits and operators, then letters and punctuation for the math suite)
+fits every Beam preset (beam-tiny has 512 ids).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-CHARS = list("0123456789") + ["+", "-", "*", "=", " "]
+CHARS = list("0123456789") + ["+", "-", "*", "=", " "]  # the arithmetic task's ids 4-18: never reorder
+TEXT_CHARS = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") + list("\n.,?!:;'\"$()/%")
+"""The math suite's word problems and worked solutions; appended, so arithmetic checkpoints keep their ids."""
 OUT = Path(__file__).resolve().parents[1] / "beam_rl" / "tasks" / "tokenizer"
 
 
 def build() -> Tokenizer:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS + TEXT_CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()  # join without spaces

@@ -52,7 +52,8 @@ def engine(tiny_checkpoint, tmp_path_factory):
         shutil.copy(f, model_dir / f.name)
     for f in TOKENIZER_FILES:
         shutil.copy(TOKENIZER_DIR / f, model_dir / f)
-    settings = dataclasses.replace(Job.engine_settings(recipe(), model_dir), seed=1, lora_rank=8)
+    # max_model_len of the math suite's prompts and solutions (test_math_task_through_the_loop)
+    settings = dataclasses.replace(Job.engine_settings(recipe(), model_dir), seed=1, lora_rank=8, max_model_len=320)
     yield start_rollout_engine(settings)
 
 
@@ -105,6 +106,38 @@ def test_lora_and_mxfp8_modes(engine, tmp_path, mode, budget):
     assert (tmp_path / "sync" / "weights" / "model.safetensors").exists()
     if mode == "lora":  # the adapter is synced (LoRARequest), not merged weights
         assert (tmp_path / "sync" / "adapter_000001" / "adapter_model.safetensors").exists()
+
+
+def test_dapo_without_r3_never_replays(engine, tmp_path, monkeypatch):
+    """train.routing_replay=false (the contrast run): the trainer's routers route for themselves in
+    the old log-probs and in the update (no replay is ever set), the gap is still measured; with
+    R3 every trainer pass replays."""
+    from beam_rl.megatron import replay
+
+    calls = []
+    set_replay = replay.set_replay
+    monkeypatch.setattr(replay, "set_replay", lambda *a, **k: (calls.append(1), set_replay(*a, **k))[1])
+    r3_on = run_dapo(recipe(run={"total_steps": 1, "eval_every": 1}), tmp_path / "on", engine=engine, progress=False)
+    replayed, calls[:] = len(calls), []
+    r3_off = run_dapo(recipe(run={"total_steps": 1, "eval_every": 1, "max_mean_abs_logprob_diff": 1.0},
+                             train={"routing_replay": False}), tmp_path / "off", engine=engine, progress=False)
+    print(f"\nstep 1 gap: R3 {r3_on[-1]['mean_abs_logprob_diff']:.2e} ({replayed} replayed passes), "
+          f"without R3 {r3_off[-1]['mean_abs_logprob_diff']:.2e} ({len(calls)})")
+    assert replayed > 0 and calls == []
+    assert r3_off[-1]["mean_abs_logprob_diff"] >= 0 and "grad_norm" in r3_off[-1]
+
+
+def test_math_task_through_the_loop(engine, tmp_path):
+    """The math suite in `beam-rl dapo`: DAPO-format prompts of the suite, rollouts and the held-out
+    avg@k graded through math-verify (a random beam-tiny answers nothing right; the overlong penalty
+    still tells its groups apart, so the step trains, with R3)."""
+    r = recipe(run={"total_steps": 1, "eval_every": 1},
+               task={"name": "math", "levels": "1", "num_train": 64, "num_heldout": 4},
+               rollout={"max_response_tokens": 64, "max_model_len": 320})
+    rows = run_dapo(r, tmp_path / "math", engine=engine, progress=False)
+    assert [m["step"] for m in rows] == [0, 1]
+    assert rows[0]["heldout_avg2"] == rows[1]["heldout_avg2"] == 0.0 and rows[1]["accuracy"] == 0.0
+    assert rows[1]["response_length"] > 1 and rows[1]["mean_abs_logprob_diff"] < 0.01
 
 
 def test_tampered_sync_stops_the_run(engine, tmp_path, tiny_model):

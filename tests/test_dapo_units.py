@@ -128,6 +128,41 @@ def test_recipe_unknown_key_and_bad_values_name_the_field(tmp_path):
     assert load_recipe("recipes/mini-h200.yaml").model.preset == "beam-mini"
 
 
+def test_math_task_recipe_checks_name_the_field():
+    for bad, message in (
+        ({"task": {"name": "gsm8k"}}, r"task.name: choose one of \['arithmetic', 'math'\]"),
+        ({"task": {"name": "math", "levels": "14"}}, "task.levels: use digits from '123'"),
+        ({"task": {"name": "math", "num_heldout": 0}}, "task.num_heldout: must be >= 1"),
+        ({"task": {"name": "math"}, "rollout": {"max_response_tokens": 16, "max_model_len": 400}},
+         r"rollout.max_response_tokens: 16 < the longest worked solution \(\d+ tokens\)"),
+        ({"task": {"name": "math"}, "rollout": {"max_response_tokens": 64, "max_model_len": 128}},
+         r"rollout.max_model_len: 128 < the longest prompt \(\d+ tokens\)"),
+    ):
+        with pytest.raises(RecipeError, match=message):
+            recipe_from_dict(bad)
+
+
+def test_recipe_base_chain(tmp_path):
+    """`base:` merges section by section, relative to the file, down a chain; loops and a missing
+    base are refused by name. The recipes in recipes/math/ build on their warm-start recipe."""
+    (tmp_path / "a.yaml").write_text("run:\n  seed: 3\n  total_steps: 7\ntrain:\n  lr: 1.0e-4\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.yaml").write_text("base: ../a.yaml\nrun:\n  total_steps: 9\n")
+    (tmp_path / "c.yaml").write_text("base: sub/b.yaml\ntrain:\n  mode: lora\n")
+    r = load_recipe(tmp_path / "c.yaml")
+    assert (r.run.seed, r.run.total_steps, r.train.lr, r.train.mode) == (3, 9, 1e-4, "lora")
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(RecipeError, match="base:` chain loops"):
+        load_recipe(tmp_path / "loop.yaml")
+    (tmp_path / "orphan.yaml").write_text("base: nowhere.yaml\n")
+    with pytest.raises(RecipeError, match="nowhere.yaml does not exist"):
+        load_recipe(tmp_path / "orphan.yaml")
+    warm = load_recipe("recipes/math/warm-mini-h200.yaml")
+    assert (warm.task.name, warm.model.preset, warm.model.checkpoint) == ("math", "beam-mini", None)
+    with pytest.raises(RecipeError, match="model.checkpoint: ckpt/math-mini-warm has no config.json"):
+        load_recipe("recipes/math/no-r3.yaml")  # the runs start from the warm start's checkpoint: write it first
+
+
 def test_data_order_is_deterministic_and_resumable():
     a = DataOrder(5, seed=3)
     first = a.take(7)  # crosses an epoch

@@ -49,21 +49,39 @@ class ModelConfig:
     """Start from this HF checkpoint directory instead of a seeded random model."""
 
 
+TASKS = ("arithmetic", "math")
+
+
 @dataclass
 class TaskConfig:
     name: str = "arithmetic"
-    """Built-in task; only 'arithmetic' (small-integer arithmetic, integer-answer reward)."""
+    """Built-in task: 'arithmetic' (`a op b=`, the integer answer, `beam_rl.tasks.arithmetic`) or 'math'
+    (the math suite: multi-step arithmetic and word problems with worked solutions, DAPO-format
+    prompts, graded by math-verify; `beam_rl.tasks.math_suite`)."""
     max_operand: int = 9
-    """Operands lie in [0, max_operand]."""
+    """arithmetic: operands lie in [0, max_operand]."""
     ops: str = "+"
-    """Operators to use, from '+-*'."""
+    """arithmetic: operators to use, from '+-*'."""
+    levels: str = "123"
+    """math: difficulty levels to draw, from '123' (1: two steps on one-digit numbers; 2: two steps,
+    operands up to 30; 3: three steps, operands up to 99)."""
+    num_train: int = 20000
+    """math: training problems."""
+    num_heldout: int = 256
+    """math: held-out problems (the avg@k evaluation)."""
     heldout_fraction: float = 0.25
     """Fraction of all problems held out for evaluation (disjoint from training)."""
     seed: int = 0
     """Seed of the train / held-out split."""
 
     def build(self):
-        """The `ArithmeticTask` this section describes (the same split wherever it is built)."""
+        """The task this section describes (the same split wherever it is built)."""
+        if self.name == "math":
+            from beam_rl.tasks.math_suite import MathSuiteTask
+
+            return MathSuiteTask(levels=tuple(int(c) for c in self.levels),
+                                 num_train=self.num_train, num_heldout=self.num_heldout,
+                                 heldout_fraction=self.heldout_fraction, seed=self.seed)
         from beam_rl.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(max_operand=self.max_operand, ops=self.ops, heldout_fraction=self.heldout_fraction, seed=self.seed)
@@ -175,6 +193,9 @@ class TrainConfig:
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     recompute: bool = False
     """Full activation recompute (R3 replays in the recompute too)."""
+    routing_replay: bool = True
+    """R3: the trainer's routers replay the experts the rollout chose; false lets the trainer route
+    for itself (the no-R3 contrast run: a larger trainer-rollout gap)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA settings (mode 'lora')."""
 
@@ -212,7 +233,7 @@ class Recipe:
         need(self.run.checkpoint_every >= 1, "run.checkpoint_every", "must be >= 1")
         need(self.run.eval_every >= 1, "run.eval_every", "must be >= 1")
         need(self.model.preset in PRESETS, "model.preset", f"unknown preset {self.model.preset!r}; choose from {sorted(PRESETS)}")
-        need(self.task.name == "arithmetic", "task.name", "only 'arithmetic' is built in")
+        need(self.task.name in TASKS, "task.name", f"choose one of {list(TASKS)}")
         need(self.rollout.group_size >= 2, "rollout.group_size", "needs >= 2 responses per prompt for group-normalised advantages")
         need(self.rollout.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
         need(self.rollout.max_response_tokens >= 1, "rollout.max_response_tokens", "must be >= 1")
@@ -232,8 +253,13 @@ class Recipe:
         need(self.run.max_mean_abs_logprob_diff > 0, "run.max_mean_abs_logprob_diff", "must be > 0")
         need(self.model.checkpoint is None or (Path(self.model.checkpoint) / "config.json").exists(), "model.checkpoint",
              f"{self.model.checkpoint} has no config.json; give a Beam checkpoint directory or leave it unset")
-        need(self.task.max_operand >= 1, "task.max_operand", "must be >= 1")
-        need(bool(self.task.ops) and set(self.task.ops) <= set("+-*"), "task.ops", "use characters from '+-*'")
+        if self.task.name == "arithmetic":
+            need(self.task.max_operand >= 1, "task.max_operand", "must be >= 1")
+            need(bool(self.task.ops) and set(self.task.ops) <= set("+-*"), "task.ops", "use characters from '+-*'")
+        else:
+            need(bool(self.task.levels) and set(self.task.levels) <= set("123"), "task.levels", "use digits from '123'")
+            need(self.task.num_train >= 1, "task.num_train", "must be >= 1")
+            need(self.task.num_heldout >= 1, "task.num_heldout", "must be >= 1")
         need(0 < self.task.heldout_fraction < 1, "task.heldout_fraction", "must lie in (0, 1)")
         need(self.warm_start.steps >= 0, "warm_start.steps", "must be >= 0")
         need(self.warm_start.batch_size >= 1, "warm_start.batch_size", "must be >= 1")
@@ -251,9 +277,18 @@ class Recipe:
         need(self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0: off)")
         need(self.train.lora.r >= 1, "train.lora.r", "must be >= 1")
         need(self.train.lora.alpha > 0, "train.lora.alpha", "must be > 0")
-        from beam_rl.tasks.arithmetic import ArithmeticTask, Tokenizer
+        from beam_rl.tasks.arithmetic import Tokenizer
 
-        prompt = ArithmeticTask(self.task.max_operand, self.task.ops).longest_prompt_tokens(Tokenizer())
+        try:
+            task = self.task.build()
+            prompt = task.longest_prompt_tokens(Tokenizer())
+        except ValueError as e:  # the task's own checks name their field
+            raise RecipeError(str(e)) from None
+        if self.task.name == "math":
+            answer = task.longest_answer_tokens(Tokenizer())
+            need(self.rollout.max_response_tokens >= answer, "rollout.max_response_tokens",
+                 f"{self.rollout.max_response_tokens} < the longest worked solution ({answer} tokens): correct answers "
+                 f"would be cut off; raise it to at least {answer}")
         need(prompt + self.rollout.max_response_tokens <= self.rollout.max_model_len, "rollout.max_model_len",
              f"{self.rollout.max_model_len} < the longest prompt ({prompt} tokens) + rollout.max_response_tokens "
              f"({self.rollout.max_response_tokens}); raise it to at least {prompt + self.rollout.max_response_tokens}")
@@ -325,16 +360,41 @@ def recipe_from_dict(data: dict) -> Recipe:
     return _build(Recipe, data or {}, "").validate()
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    path = Path(path)
+def _merged(base: dict, top: dict) -> dict:
+    """`top` over `base`, section by section (a mapping in both is merged, anything else replaced)."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """The recipe file as a mapping, its `base:` (a recipe path relative to this file) merged under it."""
     if not path.exists():
         raise RecipeError(f"recipe {path} does not exist (see recipes/ for examples)")
+    if path.resolve() in seen:
+        raise RecipeError(f"recipe {path}: `base:` chain loops ({' -> '.join(str(p) for p in seen)} -> {path})")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise RecipeError(f"recipe {path}:{where} is not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    data = data or {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: expected a mapping, got {type(data).__name__}")
+    if "base" not in data:
+        return data
+    base = data.pop("base")
+    if not isinstance(base, str) or not base:
+        raise RecipeError(f"recipe {path}: base: expected the path of a recipe (relative to this file), got {base!r}")
+    return _merged(_read_recipe(path.parent / base, seen + (path.resolve(),)), data)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """A recipe file; `base: other.yaml` (relative to it) starts from that recipe, this file's keys on top."""
+    path = Path(path)
+    data = _read_recipe(path)
     try:
         return recipe_from_dict(data)
     except RecipeError as e:

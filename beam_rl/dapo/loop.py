@@ -33,7 +33,7 @@ from beam_rl.engines.base import checksums_of
 from beam_rl.model.checkpoint import SINGLE_NAME, atomic_directory, read_tensors
 from beam_rl.model.presets import get_preset
 from beam_rl.r3 import RolloutBatch, RolloutSample
-from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, Tokenizer, integer_reward
+from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, Tokenizer
 
 
 def dapo_loss_fn(mbs: list, olds: list, advs: list, masks: list, settings: LossSettings, loss_name: str):
@@ -212,13 +212,13 @@ class Job:
             problems = [self.task.train[i] for i in idx]
             seeds = [sampling_seed(self.r.run.seed, step, sampler.rounds, i) for i in range(n * G)]
             samples = self._generate(problems, seeds, G).samples
+            graded = self.task.rewards([p for p in problems for _ in range(G)], [o.output_ids.tolist() for o in samples], self.tok)
             groups, rewards = [], []
             for g, (i, p) in enumerate(zip(idx, problems)):
                 outs = list(samples[g * G : (g + 1) * G])
                 correct, rew, trunc = [], [], []
-                for o in outs:
+                for o, c in zip(outs, graded[g * G : (g + 1) * G]):
                     ids = o.output_ids.tolist()
-                    c = integer_reward(ids, p.answer, self.tok)
                     truncated = ids[-1] != self.tok.eos_id
                     pen = soft_overlong_penalty(len(ids), ro.max_response_tokens, ol.cache_length, ol.penalty_factor) if ol.soft_punishment else 0.0
                     correct.append(c), rew.append(c + pen), trunc.append(truncated)
@@ -239,7 +239,8 @@ class Job:
         mb_size = r.train.micro_batch_size
         minis = np.array_split(np.arange(len(groups)), d.updates_per_step)
         settings = LossSettings(d.eps_low, d.eps_high, d.loss_agg, d.tis_cap, d.kl_coef)
-        # Old log-probs (R3 on, before any update): the DAPO ratio's denominator and the R3 gap.
+        # Old log-probs (replaying unless train.routing_replay is off; before any update): the DAPO
+        # ratio's denominator and the trainer-rollout gap.
         plans = []
         gaps = []
         for mini in minis:
@@ -247,7 +248,7 @@ class Job:
             mbs, olds, advs, masks = [], [], [], []
             for s in range(0, len(rows), mb_size):
                 mb = batch.to_trainer(rows[s : s + mb_size])
-                old = self.policy.logprobs(mb, temperature=r.rollout.temperature)
+                old = self.policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
                 dev = old.device
                 gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])
                 keep_rows = torch.tensor([keep[i] for i in mb.indices], device=dev)
@@ -258,7 +259,8 @@ class Job:
         out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
         sums: dict[str, float] = {}
         for mbs, olds, advs, masks in plans:
-            m = self.policy.step(mbs, dapo_loss_fn(mbs, olds, advs, masks, settings, d.loss), temperature=r.rollout.temperature)
+            m = self.policy.step(mbs, dapo_loss_fn(mbs, olds, advs, masks, settings, d.loss), temperature=r.rollout.temperature,
+                                 replay=r.train.routing_replay)
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v / len(plans)
             out["train_tokens"] += int(sum(int(mb.lengths.sum()) for mb in mbs))
@@ -283,7 +285,7 @@ class Job:
         problems = self.task.heldout
         seeds = [eval_seed(self.r.run.seed, i) for i in range(len(problems) * k)]
         samples = self._generate(problems, seeds, k).samples
-        correct = [integer_reward(o.output_ids.tolist(), problems[i // k].answer, self.tok) for i, o in enumerate(samples)]
+        correct = self.task.rewards([p for p in problems for _ in range(k)], [o.output_ids.tolist() for o in samples], self.tok)
         return float(np.mean(correct))
 
     def checkpoint(self, step: int) -> Path:

@@ -196,8 +196,8 @@ class TrainerBackend(ABC):
         """One optimizer step on the teacher-forced NLL of the response tokens (warm start); returns the loss."""
 
     @abstractmethod
-    def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float) -> dict[str, float]:
-        """One optimizer update accumulated over `batches` (R3 replay on); returns the sum of
+    def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float, replay: bool = True) -> dict[str, float]:
+        """One optimizer update accumulated over `batches` (the rollout's experts replayed when `replay`); returns the sum of
         `loss`'s metrics over the batches, plus "loss" (summed) and "grad_norm" (before clipping)."""
 
     @abstractmethod

@@ -134,12 +134,12 @@ class MegatronTrainer(TrainerBackend):
         return lp
 
     # -- one optimizer update ----------------------------------------------------------------
-    def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float) -> dict[str, float]:
+    def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float, replay: bool = True) -> dict[str, float]:
         optimizer = self._need_optimizer()
         sums: dict[str, float] = {}
         loss_total = 0.0
         for i, mb in enumerate(batches):
-            lp = self.logprobs(mb, temperature=temperature, grad=True)
+            lp = self.logprobs(mb, temperature=temperature, replay=replay, grad=True)
             value, metrics = loss(lp, i)
             value.backward()
             r3.clear_replay(self.model)

@@ -106,8 +106,17 @@ class ArithmeticTask:
         """Tokens of the longest prompt this task can pose (operands of the most digits)."""
         return max(len(self.prompt_ids(Problem(self.max_operand, op, self.max_operand), tokenizer)) for op in self.ops)
 
+    def prompt_text(self, problem: Problem) -> str:
+        return problem.text
+
     def prompt_ids(self, problem: Problem, tokenizer: Tokenizer) -> list[int]:
         return [tokenizer.bos_id] + tokenizer.encode(problem.text)
+
+    def rewards(self, problems: list[Problem], responses: list[list[int]], tokenizer: Tokenizer) -> list[float]:
+        """`integer_reward` of each response against its problem's answer."""
+        if len(problems) != len(responses):
+            raise ValueError(f"rewards: {len(problems)} problems for {len(responses)} responses")
+        return [integer_reward(r, p.answer, tokenizer) for p, r in zip(problems, responses)]
 
     def answer_ids(self, problem: Problem, tokenizer: Tokenizer) -> list[int]:
         return tokenizer.encode(str(problem.answer)) + [tokenizer.eos_id]
