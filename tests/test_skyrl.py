@@ -240,6 +240,31 @@ def test_environment_scores_with_integer_reward(registered):
 
 
 @needs_skyrl
+def test_math_environment_and_data_grade_as_beam_rl_dapo(registered, tmp_path):
+    """`beam_math`: the math suite's rows (DAPO-format prompts, chat-templated to the task's own
+    prompt ids) and the math-verify reward of `MathSuiteTask.rewards` on the response text."""
+    import pandas as pd
+    import skyrl_gym
+    from transformers import AutoTokenizer
+
+    from beam_rl.skyrl.data import write_data, write_tokenizer
+    from beam_rl.tasks.arithmetic import Tokenizer
+    from beam_rl.tasks.math_suite import MathSuiteTask
+
+    task = MathSuiteTask(num_train=20, num_heldout=5)
+    paths = write_data(task, tmp_path / "data")
+    train = pd.read_parquet(paths["train"])
+    p = task.train[0]
+    assert train.iloc[0]["env_class"] == "beam_math" and train.iloc[0]["reward_spec"]["ground_truth"] == p.answer
+    tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "ckpt"))
+    ids = tok.apply_chat_template([list(train.iloc[0]["prompt"])], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == [task.prompt_ids(p, Tokenizer())]
+    env = skyrl_gym.make("beam_math", env_config={}, extras={"reward_spec": {"ground_truth": p.answer}})
+    wrong = p.solution.replace(f"Answer: {p.answer}", f"Answer: {p.answer + 1}")
+    assert [env.step(a)["reward"] for a in (p.solution, p.solution + "</s>", wrong, "\n".join(p.steps))] == [1.0, 1.0, 0.0, 0.0]
+
+
+@needs_skyrl
 def test_recipe_parses_into_skyrl_config_and_validates(registered):
     from beam_rl.skyrl.config import load_config
 

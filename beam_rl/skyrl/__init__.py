@@ -4,6 +4,7 @@
   trainer.algorithm.policy_loss_type=beam_dapo      -> beam_rl.skyrl.loss (beam_rl.dapo.loss.dapo_loss)
   trainer.algorithm.advantage_estimator=beam_grpo   -> beam_rl.skyrl.advantages (beam_rl.dapo.advantages.group_normalized)
   environment.env_class=beam_arithmetic             -> beam_rl.skyrl.env (beam_rl.tasks.arithmetic.integer_reward)
+  environment.env_class=beam_math                   -> beam_rl.skyrl.env (the math suite's math-verify reward)
 and `beam_rl.skyrl.trainer` adds the soft overlong punishment (beam_rl.dapo.overlong) to the
 training rollouts. SkyRL is imported only lazily; without it the error names the install command
 (`beam_rl.skyrl._compat.INSTALL`). `worker_setup` is the Ray setup hook of a run (patches,
@@ -15,20 +16,22 @@ from __future__ import annotations
 
 from beam_rl.skyrl._compat import INSTALL, SkyRLMissing, skyrl_gym_module, skyrl_module
 from beam_rl.skyrl.advantages import NAME as ADVANTAGE_NAME
+from beam_rl.skyrl.env import MATH_NAME as MATH_ENV_NAME
 from beam_rl.skyrl.env import NAME as ENV_NAME
 from beam_rl.skyrl.loss import NAME as LOSS_NAME
 
 __all__ = ["ADVANTAGE_NAME", "ENV_NAME", "INSTALL", "LOSS_NAME", "SkyRLMissing", "register", "register_beam_bridge",
            "register_env", "worker_setup"]
 
-ENV_ENTRY_POINT = "beam_rl.skyrl.env:make_env"
+ENV_ENTRY_POINTS = {ENV_NAME: "beam_rl.skyrl.env:make_env", MATH_ENV_NAME: "beam_rl.skyrl.env:make_math_env"}
 
 
 def register_env() -> None:
-    """Register `beam_arithmetic` with skyrl-gym in this process (idempotent)."""
+    """Register `beam_arithmetic` and `beam_math` with skyrl-gym in this process (idempotent)."""
     gym = skyrl_gym_module()
-    if ENV_NAME not in gym.registry:
-        gym.register(id=ENV_NAME, entry_point=ENV_ENTRY_POINT)
+    for name, entry_point in ENV_ENTRY_POINTS.items():
+        if name not in gym.registry:
+            gym.register(id=name, entry_point=entry_point)
 
 
 def register() -> dict[str, str]:

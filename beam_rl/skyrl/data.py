@@ -1,13 +1,14 @@
 """`python -m beam_rl.skyrl.data --recipe recipes/mini-h200.yaml --out data/skyrl-beam-arith [--tokenizer-into CKPT]`
 
-Writes the built-in arithmetic task as SkyRL prompt data: `train.parquet` / `validation.parquet`
+Writes the recipe's built-in task as SkyRL prompt data: `train.parquet` / `validation.parquet`
 (the recipe's `task` section, so the train / held-out split is the one `beam-rl dapo` uses), one
-row per problem: `prompt` (one user message holding the problem text, e.g. `3+4=`), `env_class`
-(`beam_arithmetic`) and `reward_spec.ground_truth` (the integer answer).
+row per problem: `prompt` (one user message holding the task's prompt text, e.g. `3+4=`, or the
+math suite's instruction and problem), `env_class` (`beam_arithmetic` / `beam_math`) and
+`reward_spec.ground_truth` (the integer answer).
 
 SkyRL renders prompts with the tokenizer's chat template; the shipped task tokenizer has none, so
 `--tokenizer-into CKPT` copies it into the Beam checkpoint directory with `CHAT_TEMPLATE`, which
-renders exactly `<s>` + the problem text: the same prompt ids as `ArithmeticTask.prompt_ids`.
+renders exactly `<s>` + the prompt text: the same prompt ids as the task's `prompt_ids`.
 """
 
 from __future__ import annotations
@@ -17,24 +18,21 @@ import json
 import shutil
 from pathlib import Path
 
-from beam_rl.skyrl.env import NAME as ENV_NAME
-from beam_rl.tasks.arithmetic import (
-    TOKENIZER_DIR,
-    TOKENIZER_FILES,
-    ArithmeticTask,
-    Problem,
-)
+from beam_rl.skyrl.env import MATH_NAME, NAME
+from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, ArithmeticTask
+from beam_rl.tasks.math_suite import MathSuiteTask
 
 CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 """Raw concatenation after <s>: no roles, nothing added for the generation prompt."""
 
 
-def row(problem: Problem) -> dict:
-    return {"prompt": [{"role": "user", "content": problem.text}], "env_class": ENV_NAME,
+def row(task: ArithmeticTask | MathSuiteTask, problem) -> dict:
+    env = MATH_NAME if isinstance(task, MathSuiteTask) else NAME
+    return {"prompt": [{"role": "user", "content": task.prompt_text(problem)}], "env_class": env,
             "reward_spec": {"method": "rule", "ground_truth": problem.answer}}
 
 
-def task_from_recipe(path: str | None) -> ArithmeticTask:
+def task_from_recipe(path: str | None) -> ArithmeticTask | MathSuiteTask:
     if path is None:
         return ArithmeticTask()
     from beam_rl.dapo.config import load_recipe
@@ -42,7 +40,7 @@ def task_from_recipe(path: str | None) -> ArithmeticTask:
     return load_recipe(path).task.build()
 
 
-def write_data(task: ArithmeticTask, out: str | Path) -> dict[str, Path]:
+def write_data(task: ArithmeticTask | MathSuiteTask, out: str | Path) -> dict[str, Path]:
     import pandas as pd
 
     out = Path(out)
@@ -50,7 +48,7 @@ def write_data(task: ArithmeticTask, out: str | Path) -> dict[str, Path]:
     paths = {}
     for split, problems in (("train", task.train), ("validation", task.heldout)):
         paths[split] = out / f"{split}.parquet"
-        pd.DataFrame([row(p) for p in problems]).to_parquet(paths[split], index=False)
+        pd.DataFrame([row(task, p) for p in problems]).to_parquet(paths[split], index=False)
     return paths
 
 
@@ -68,7 +66,7 @@ def write_tokenizer(dst: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m beam_rl.skyrl.data", description="Arithmetic task -> SkyRL parquet data.")
+    p = argparse.ArgumentParser(prog="python -m beam_rl.skyrl.data", description="A recipe's task -> SkyRL parquet data.")
     p.add_argument("--recipe", help="beam-rl recipe whose `task` section sets the split (default: TaskConfig defaults)")
     p.add_argument("--out", required=True, help="output directory for train.parquet / validation.parquet")
     p.add_argument("--tokenizer-into", help="also write the task tokenizer (with chat template) into this checkpoint dir")

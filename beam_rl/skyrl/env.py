@@ -1,11 +1,12 @@
-"""`beam_arithmetic`: the built-in arithmetic task as a skyrl-gym environment, scored by
-`beam_rl.tasks.arithmetic.integer_reward`.
+"""The built-in tasks as skyrl-gym environments: `beam_arithmetic` (scored by
+`beam_rl.tasks.arithmetic.integer_reward`) and `beam_math` (the math suite, scored by
+`beam_rl.tasks.math_suite.answer_rewards`: math-verify, as `beam-rl dapo` and `beam-rl eval` grade).
 
-Single turn. The dataset row (see `beam_rl.skyrl.data`) carries the answer in
-`reward_spec.ground_truth`; SkyRL hands `step` the decoded response text. The text is encoded
-back with the task tokenizer and closed with `</s>` (a response that SkyRL scores ended with a
-stop; a response truncated at the length cap gets reward 0 through
-`generator.zero_reward_on_non_stop=true`, as `integer_reward` gives 0 without `</s>`).
+Single turn. The dataset row (see `beam_rl.skyrl.data`) names its environment in `env_class` and
+carries the answer in `reward_spec.ground_truth`; SkyRL hands `step` the decoded response text. The
+text is encoded back with the task tokenizer and closed with `</s>` (a response that SkyRL scores
+ended with a stop; a response truncated at the length cap gets reward 0 through
+`generator.zero_reward_on_non_stop=true`, as both rewards give 0 without `</s>`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from beam_rl.skyrl._compat import skyrl_gym_module
 from beam_rl.tasks.arithmetic import Tokenizer, integer_reward
 
 NAME = "beam_arithmetic"
-"""`environment.env_class` (and each data row's `env_class`) that selects this environment."""
+"""`environment.env_class` (and each data row's `env_class`) of the arithmetic task."""
+MATH_NAME = "beam_math"
+"""The same for the math suite."""
 
 
 @lru_cache(maxsize=1)
@@ -25,38 +28,59 @@ def _tokenizer() -> Tokenizer:
     return Tokenizer()
 
 
-def response_reward(text: str, answer: int) -> float:
-    """`integer_reward` of a finished response given as text."""
+def _finished_ids(text: str) -> list[int]:
     tok = _tokenizer()
     ids = tok.encode(text)
     if not ids or ids[-1] != tok.eos_id:
         ids.append(tok.eos_id)
-    return integer_reward(ids, int(answer), tok)
+    return ids
 
 
-@lru_cache(maxsize=1)
-def _env_class():
+def response_reward(text: str, answer: int) -> float:
+    """`integer_reward` of a finished response given as text."""
+    return integer_reward(_finished_ids(text), int(answer), _tokenizer())
+
+
+def math_response_reward(text: str, answer: int) -> float:
+    """The math suite's reward of a finished response given as text."""
+    from beam_rl.tasks.math_suite import answer_rewards
+
+    return answer_rewards([int(answer)], [_finished_ids(text)], _tokenizer())[0]
+
+
+REWARDS = {NAME: response_reward, MATH_NAME: math_response_reward}
+
+
+@lru_cache(maxsize=None)
+def _env_class(name: str):
     BaseTextEnv = skyrl_gym_module("skyrl_gym.envs.base_text_env").BaseTextEnv
+    reward = REWARDS[name]
 
-    class BeamArithmeticEnv(BaseTextEnv):
-        """One step: reward = integer_reward(response, ground_truth); done."""
+    class BeamTaskEnv(BaseTextEnv):
+        """One step: reward = the task's reward of (response, ground_truth); done."""
 
         def __init__(self, env_config: Any = None, extras: dict | None = None):
             super().__init__()
             extras = extras or {}
             spec = extras.get("reward_spec") or {}
             if "ground_truth" not in spec:
-                raise ValueError(f"env_class={NAME!r}: each data row needs reward_spec.ground_truth (the integer answer); "
+                raise ValueError(f"env_class={name!r}: each data row needs reward_spec.ground_truth (the integer answer); "
                                  "write the data with `python -m beam_rl.skyrl.data`")
             self.answer = int(spec["ground_truth"])
 
         def step(self, action: str):
-            return {"observations": [], "reward": response_reward(action, self.answer), "done": True, "metadata": {}}
+            return {"observations": [], "reward": reward(action, self.answer), "done": True, "metadata": {}}
 
-    BeamArithmeticEnv.__module__ = __name__
-    return BeamArithmeticEnv
+    BeamTaskEnv.__module__ = __name__
+    BeamTaskEnv.__qualname__ = BeamTaskEnv.__name__ = {NAME: "BeamArithmeticEnv", MATH_NAME: "BeamMathEnv"}[name]
+    return BeamTaskEnv
 
 
 def make_env(env_config: Any = None, extras: dict | None = None, **kwargs):
-    """skyrl-gym entry point (`skyrl_gym.make(NAME, env_config=..., extras=...)`)."""
-    return _env_class()(env_config=env_config, extras=extras)
+    """skyrl-gym entry point of `beam_arithmetic` (`skyrl_gym.make(NAME, env_config=..., extras=...)`)."""
+    return _env_class(NAME)(env_config=env_config, extras=extras)
+
+
+def make_math_env(env_config: Any = None, extras: dict | None = None, **kwargs):
+    """skyrl-gym entry point of `beam_math`."""
+    return _env_class(MATH_NAME)(env_config=env_config, extras=extras)

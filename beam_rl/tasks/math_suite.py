@@ -255,10 +255,15 @@ class MathSuiteTask:
         """1.0 per response that ends with `</s>` and whose answer math-verify accepts, else 0.0."""
         if len(problems) != len(responses):
             raise ValueError(f"rewards: {len(problems)} problems for {len(responses)} responses")
-        finished = [bool(r) and r[-1] == tokenizer.eos_id for r in responses]
-        texts = [tokenizer.decode(r[:-1]) if f else "" for r, f in zip(responses, finished)]
-        grades = _grading_pool(self.grade_timeout_s).grade([str(p.answer) for p in problems], texts)
-        return [1.0 if f and g.correct else 0.0 for f, g in zip(finished, grades)]
+        return answer_rewards([p.answer for p in problems], responses, tokenizer, self.grade_timeout_s)
+
+
+def answer_rewards(answers: list[int], responses: list[list[int]], tokenizer: Tokenizer, timeout_s: float = 10.0) -> list[float]:
+    """The suite's reward of each response (token ids) against its gold integer answer."""
+    finished = [bool(r) and r[-1] == tokenizer.eos_id for r in responses]
+    texts = [tokenizer.decode(r[:-1]) if f else "" for r, f in zip(responses, finished)]
+    grades = _grading_pool(timeout_s).grade([str(a) for a in answers], texts)
+    return [1.0 if f and g.correct else 0.0 for f, g in zip(finished, grades)]
 
 
 _POOLS: dict[float, "GradingPool"] = {}
