@@ -140,6 +140,29 @@ def test_math_task_through_the_loop(engine, tmp_path):
     assert rows[1]["response_length"] > 1 and rows[1]["mean_abs_logprob_diff"] < 0.01
 
 
+def test_warm_start_stops_at_its_heldout_target(engine, tmp_path):
+    """`beam-rl warm-start` with warm_start.target_heldout_avg: the policy's weights synced into the
+    engine every eval_every steps and after the last, held-out avg@k evaluated as `beam-rl dapo`
+    evaluates, the warm start stopped at the first evaluation reaching the target (or run to the
+    end), the curve saved beside the checkpoint; `beam-rl dapo` refuses to warm-start with a target."""
+    from beam_rl.dapo.config import RecipeError
+    from beam_rl.dapo.loop import Job
+    from beam_rl.dapo.warmstart import write_warm_start
+    from beam_rl.model.checkpoint import verify_checkpoint
+
+    r = recipe(warm_start={"steps": 30, "batch_size": 32, "target_heldout_avg": 0.05, "eval_every": 10})
+    losses, evals = write_warm_start(r, tmp_path / "warm", engine=engine, log=lambda *_: None)
+    print(f"\nwarm start to held-out avg 0.05: {evals}")
+    assert [s for s, _ in evals] == list(range(10, len(losses) + 1, 10)) + ([len(losses)] if len(losses) % 10 else [])
+    reached = [a >= 0.05 for _, a in evals]
+    assert reached[:-1] == [False] * (len(evals) - 1) and (reached[-1] or len(losses) == 30)
+    saved = json.loads((tmp_path / "warm" / "warm_start.json").read_text())
+    assert saved["steps"] == len(losses) and [(e["step"], e["heldout_avg"]) for e in saved["evaluations"]] == evals
+    verify_checkpoint(tmp_path / "warm")
+    with pytest.raises(RecipeError, match="warm_start.target_heldout_avg: only `beam-rl warm-start`"):
+        Job(r, tmp_path / "run", resume=False, engine=engine, progress=False)
+
+
 def test_tampered_sync_stops_the_run(engine, tmp_path, tiny_model):
     tensors = {n: t.contiguous() for n, t in tiny_model.state_dict().items()}
     path, sent = _engine_dir(tmp_path, tensors, tiny_model.config)

@@ -337,7 +337,8 @@ def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
     recipe = recipe_from_dict({"run": {"seed": 0, "total_steps": 1}, "model": {"preset": "beam-tiny", "init_seed": 0},
                                "warm_start": {"steps": 6, "batch_size": 16, "lr": 1.0e-3}})
     out = tmp_path / "warm"
-    losses = write_warm_start(recipe, out, log=lambda *_: None)
+    losses, evals = write_warm_start(recipe, out, log=lambda *_: None)
+    assert evals == [] and not (out / "warm_start.json").exists()  # no target: no evaluation
     assert len(losses) == 6 and losses[-1] < losses[0]
     config = verify_checkpoint(out)
     routers = {k: t for k, t in read_tensors(out, config) if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))}

@@ -95,6 +95,12 @@ class WarmStartConfig:
     """Problems per supervised step."""
     lr: float = 3e-3
     """AdamW learning rate of the warm start."""
+    target_heldout_avg: float | None = None
+    """`beam-rl warm-start` only: stop at the first evaluation whose held-out avg@k (rollout.eval_samples)
+    reaches this (e.g. 0.3: a start well below the ceiling, room for RL); null: all `steps`."""
+    eval_every: int = 50
+    """Supervised steps between held-out evaluations when target_heldout_avg is set (a vLLM engine
+    on the current weights, sampled as `beam-rl dapo` evaluates)."""
 
 
 @dataclass
@@ -264,6 +270,9 @@ class Recipe:
         need(self.warm_start.steps >= 0, "warm_start.steps", "must be >= 0")
         need(self.warm_start.batch_size >= 1, "warm_start.batch_size", "must be >= 1")
         need(self.warm_start.lr > 0, "warm_start.lr", "must be > 0")
+        target = self.warm_start.target_heldout_avg
+        need(target is None or 0 < target <= 1, "warm_start.target_heldout_avg", "must lie in (0, 1] or be null")
+        need(self.warm_start.eval_every >= 1, "warm_start.eval_every", "must be >= 1")
         need(self.rollout.eval_samples >= 1, "rollout.eval_samples", "must be >= 1 (avg@k needs k samples)")
         need(self.rollout.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0 GiB")
         need(0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must lie in (0, 1]")

@@ -95,6 +95,19 @@ def _engine_dir(root: Path, tensors: dict, config) -> tuple[Path, dict[str, str]
     return path, checksums_of(tensors.items())
 
 
+def heldout_avg(engine: RolloutEngine, task, tok: Tokenizer, recipe: Recipe, adapter=None) -> float:
+    """Held-out avg@k (k = rollout.eval_samples): every held-out problem sampled k times with the
+    same seeds at every evaluation, graded by the task."""
+    k, ro = recipe.rollout.eval_samples, recipe.rollout
+    problems = task.heldout
+    prompts = [task.prompt_ids(p, tok) for p in problems for _ in range(k)]
+    sampling = [Sampling(max_tokens=ro.max_response_tokens, temperature=ro.temperature, seed=eval_seed(recipe.run.seed, i),
+                         stop_token_ids=(tok.eos_id,)) for i in range(len(prompts))]
+    samples = engine.generate(prompts, sampling, adapter=adapter).samples
+    correct = task.rewards([p for p in problems for _ in range(k)], [o.output_ids.tolist() for o in samples], tok)
+    return float(np.mean(correct))
+
+
 class Job:
     def __init__(self, recipe: Recipe, run_dir: Path, *, resume: bool, engine: RolloutEngine | None = None, progress: bool = True,
                  log=print, engine_log: bool = False, overwrite: bool = False):
@@ -104,6 +117,10 @@ class Job:
         self.config = get_preset(recipe.model.preset)
         if self.tok.vocab_size > self.config.vocab_size:
             raise ValueError(f"model.preset={recipe.model.preset}: vocab {self.config.vocab_size} < tokenizer {self.tok.vocab_size}")
+        if recipe.warm_start.steps and recipe.warm_start.target_heldout_avg is not None:
+            raise RecipeError("warm_start.target_heldout_avg: only `beam-rl warm-start` evaluates during the warm start; "
+                              "write the warm start with it and start this run from its checkpoint (model.checkpoint, "
+                              "warm_start.steps: 0), or set the target to null")
         self.data = DataOrder(len(self.task.train), recipe.run.seed)
         self.lora = recipe.train.mode == "lora"
         self.sync_adapter = recipe.train.serves_adapter
@@ -173,7 +190,7 @@ class Job:
             hf = dict(read_tensors(ckpt / "hf", self.config))
             self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute)
         else:
-            self.policy, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
+            self.policy, _, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
         if self.lora:
             self.policy.add_lora(r.train.lora.r, r.train.lora.alpha, seed=r.run.seed)
         self.policy.make_optimizer(lr=r.train.lr, betas=r.train.betas, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip)
@@ -281,12 +298,7 @@ class Job:
         return {"sync_s": dt, "sync_mb_per_s": nbytes / 2**20 / dt}
 
     def evaluate(self) -> float:
-        k = self.r.rollout.eval_samples
-        problems = self.task.heldout
-        seeds = [eval_seed(self.r.run.seed, i) for i in range(len(problems) * k)]
-        samples = self._generate(problems, seeds, k).samples
-        correct = self.task.rewards([p for p in problems for _ in range(k)], [o.output_ids.tolist() for o in samples], self.tok)
-        return float(np.mean(correct))
+        return heldout_avg(self.engine, self.task, self.tok, self.r, self.adapter)
 
     def checkpoint(self, step: int) -> Path:
         state = {"optimizer": self.policy.optimizer_state(), "data": self.data.state_dict(), "recipe": recipe_to_dict(self.r),
