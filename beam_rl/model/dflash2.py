@@ -1,0 +1,321 @@
+"""DFlash2, Beam's block drafter: the plain-PyTorch reference (the oracle of the vLLM drafter and of
+drafter training).
+
+One draft step proposes K tokens for a request in one forward pass. Its block has B = 1 + K rows:
+row 0 the anchor (the last verified token), rows 1..K `mask_token_id`, at positions a..a+K.
+
+- Context path (once per verified target token, positions < a): the target's residual streams after
+  the 0-based layers `target_layer_ids`, concatenated [C, n*H] -> `fc` -> `hidden_norm` -> each draft
+  layer's k/v projections, `k_norm` and NeoX RoPE at the token's position (no conv, no input norm).
+- Query path (the block), per layer, Qwen3-shaped plus two dynamic block convolutions:
+      a = input_layernorm(res);          d = attention_conv.kernel_projection(a)
+      res += conv(attn(conv(a, base[0], d[0])), base[1], d[1])
+      a = post_attention_layernorm(res); d = mlp_conv.kernel_projection(a)
+      res += conv(mlp(conv(a, base[0], d[0])), base[1], d[1])
+  then `norm`, the target's LM head and its FP32 soft cap. Attention is non-causal inside the block
+  and sliding-window over the context: row j sees context positions c with a+j-(w-1) <= c < a.
+- Selector and walk: per mask row the top `selector_top_k` candidates of the unary (soft-capped)
+  logits; the edge score of candidate i after predecessor token t is
+      E = u[i] + <A[t] * z, B[c_i]>,   z = hidden_projection(h)
+  (A, B the predecessor / successor codebooks; A[t] * z and the dot rounded to BF16, the sum in FP32);
+  the predecessor of row 1 is the anchor. Decoding is a greedy left-to-right walk (argmax, or a Gumbel
+  sample of softmax(E / T)); the proposal distribution of each walked row is softmax(E / T) over its
+  candidates (0 elsewhere), which rejection sampling needs.
+
+Numerics: BF16 activations with FP32 norms (`numerics.rms_norm`), FP32 attention scores and softmax,
+every projection rounded once; the convolution sums its taps in FP32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from beam_rl.model import numerics
+
+
+@dataclass(frozen=True)
+class DFlash2Config:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    sliding_window: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 64
+    selector_top_k: int = 16
+    final_logit_softcapping: float | None = None
+    layer_types: tuple[str, ...] = field(default=())
+
+    def __post_init__(self):
+        def need(ok, key, msg):
+            if not ok:
+                raise ValueError(f"dflash2 config {key}: {msg}")
+
+        need(self.hidden_size % self.conv_group_size == 0, "dflash_config.conv_group_size",
+             f"{self.conv_group_size} must divide hidden_size={self.hidden_size}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+             f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}")
+        need(len(self.target_layer_ids) >= 1, "dflash_config.target_layer_ids", "name at least one target layer")
+        need(0 <= self.mask_token_id < self.vocab_size, "dflash_config.mask_token_id", f"must be a token id below vocab_size={self.vocab_size}")
+        need(self.conv_kernel_size >= 1 and self.selector_top_k >= 1 and self.selector_rank >= 1, "dflash_config",
+             "conv_kernel_size, selector_top_k and selector_rank must be >= 1")
+        need(all(t == "sliding_attention" for t in self.layer_types), "layer_types",
+             f"every draft layer is sliding-window attention, got {list(self.layer_types)}")
+
+    @property
+    def num_groups(self) -> int:
+        return self.hidden_size // self.conv_group_size
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlash2Config":
+        """The released drafter config (top-level keys + `dflash_config`)."""
+        if d.get("is_causal", False):
+            raise ValueError("dflash2 config is_causal: the drafter's attention is non-causal; it must be false")
+        dc = d.get("dflash_config")
+        if not isinstance(dc, dict):
+            raise ValueError("dflash2 config dflash_config: missing; it holds target_layer_ids, conv_kernel_size, ...")
+        rope = d.get("rope_parameters") or {}
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "vocab_size", "sliding_window")
+        missing = [k for k in keys if k not in d] + [f"dflash_config.{k}" for k in ("target_layer_ids", "mask_token_id") if k not in dc]
+        if missing:
+            raise ValueError(f"dflash2 config: missing {missing}")
+        return cls(**{k: d[k] for k in keys}, target_layer_ids=tuple(dc["target_layer_ids"]), mask_token_id=dc["mask_token_id"],
+                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+                   max_position_embeddings=d.get("max_position_embeddings", 4096),
+                   **{k: dc[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                                         "final_logit_softcapping") if k in dc},
+                   layer_types=tuple(d.get("layer_types", ())))
+
+
+def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The dynamic block convolution: x [B, H], base [t, H], delta [B, t, G] ->
+    out[p, c] = sum_{j < t, j <= p} (base[j, c] + delta[p, j, c // group_size]) * x[p - j, c],
+    taps never crossing the block's first row; FP32 sum, rounded once to x's dtype."""
+    B, H = x.shape
+    xf = x.float()
+    taps = base.float()[None] + delta.float().repeat_interleave(group_size, dim=-1)  # (B, t, H)
+    out = torch.zeros(B, H, dtype=torch.float32, device=x.device)
+    for j in range(base.shape[0]):
+        if j < B:
+            out[j:] += taps[j:, j] * xf[: B - j]
+    return out.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x):
+        return numerics.rms_norm(x, self.weight, self.eps)
+
+
+class BlockConv(nn.Module):
+    """`base_kernel` [2, t, H] (input and output convolutions) + `kernel_projection` H -> 2*t*G.
+    Identity at initialisation: base tap 0 is 1, every other tap and the projection are 0."""
+
+    def __init__(self, c: DFlash2Config):
+        super().__init__()
+        self.t, self.g, self.G = c.conv_kernel_size, c.conv_group_size, c.num_groups
+        base = torch.zeros(2, self.t, c.hidden_size)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(c.hidden_size, 2 * self.t * self.G, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def deltas(self, a: torch.Tensor) -> torch.Tensor:
+        return self.kernel_projection(a).view(a.shape[0], 2, self.t, self.G)
+
+    def conv(self, x, which: int, delta) -> torch.Tensor:
+        return block_conv(x, self.base_kernel[which], delta[:, which], self.g)
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DFlash2Config):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def _rope(self, x, positions):
+        cache = numerics.rope_cos_sin_cache(int(positions.max()) + 1, self.c.head_dim, self.c.rope_theta).to(x.device)
+        return numerics.apply_rope(x, positions, cache)
+
+    def keys_values(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [T, H] -> k, v [T, KV, D]: k normed and rotated at `positions`."""
+        T, c = h.shape[0], self.c
+        k = self.k_norm(self.k_proj(h).view(T, c.num_key_value_heads, c.head_dim))
+        return self._rope(k, positions), self.v_proj(h).view(T, c.num_key_value_heads, c.head_dim)
+
+    def forward(self, u, positions, ctx_k, ctx_v, ctx_positions) -> torch.Tensor:
+        """Block rows u [B, H] at `positions` over the context (in the window) and the whole block."""
+        B, c = u.shape[0], self.c
+        q = self._rope(self.q_norm(self.q_proj(u).view(B, c.num_attention_heads, c.head_dim)), positions)
+        k_blk, v_blk = self.keys_values(u, positions)
+        k, v = torch.cat([ctx_k, k_blk]), torch.cat([ctx_v, v_blk])
+        anchor = positions[0]
+        lo = positions[:, None] - (c.sliding_window - 1)  # row j sees context c with a+j-(w-1) <= c < a
+        ctx_visible = (ctx_positions[None, :] >= lo) & (ctx_positions[None, :] < anchor)
+        visible = torch.cat([ctx_visible, torch.ones(B, B, dtype=torch.bool, device=u.device)], dim=1)  # (B, C+B)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        kf, vf = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(c.head_dim)
+        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+        out = torch.einsum("hqk,khd->qhd", probs, vf).to(u.dtype)
+        return self.o_proj(out.reshape(B, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, c: DFlash2Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(numerics.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DFlash2Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DraftAttention(c)
+        self.mlp = DraftMLP(c)
+        self.attention_conv = BlockConv(c)
+        self.mlp_conv = BlockConv(c)
+
+    def forward(self, res, positions, ctx_k, ctx_v, ctx_positions):
+        a = self.input_layernorm(res)
+        d = self.attention_conv.deltas(a)
+        o = self.self_attn(self.attention_conv.conv(a, 0, d), positions, ctx_k, ctx_v, ctx_positions)
+        res = (res.float() + self.attention_conv.conv(o, 1, d).float()).to(res.dtype)
+        a = self.post_attention_layernorm(res)
+        d = self.mlp_conv.deltas(a)
+        o = self.mlp(self.mlp_conv.conv(a, 0, d))
+        return (res.float() + self.mlp_conv.conv(o, 1, d).float()).to(res.dtype)
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, c: DFlash2Config):
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.zeros(c.vocab_size, c.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(c.vocab_size, c.selector_rank))
+        self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
+
+    def pair_scores(self, z: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """<A[t] * z, B[c]> for z [r], predecessor tokens [P] and candidate tokens [k] -> [P, k]:
+        A[t] * z rounded to BF16, the dot (FP32 accumulation) rounded to BF16, returned in FP32."""
+        az = (self.predecessor_codebook[predecessors].float() * z.float()).to(torch.bfloat16).float()
+        return (az @ self.successor_codebook[candidates].float().t()).to(torch.bfloat16).float()
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor
+    """[K] the walked tokens."""
+    candidates: torch.Tensor
+    """[K, k] each mask row's candidate tokens (top-k of the unary logits)."""
+    scores: torch.Tensor
+    """[K, k] the walked edge scores of each row (after its walked predecessor), FP32."""
+    choice: torch.Tensor
+    """[K] the index into each row's candidates that the walk took."""
+
+    def proposal(self, temperature: float, vocab_size: int) -> torch.Tensor:
+        """[K, V] the proposal distribution of each walked row: softmax(scores / T) on its candidates, 0 elsewhere."""
+        q = torch.zeros(self.scores.shape[0], vocab_size, dtype=torch.float32)
+        return q.scatter(1, self.candidates, torch.softmax(self.scores / temperature, dim=-1))
+
+
+def edge_scores(selector: CandidateSelector, z: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+                anchor: int) -> torch.Tensor:
+    """E [K, k, k]: E[p, q, i] = unary[p, i] + <A[pred] * z[p], B[candidates[p, i]]>, the predecessor
+    of row p being candidate q of row p-1 (the anchor for the first row, the same for every q)."""
+    K, k = candidates.shape
+    E = torch.empty(K, k, k, dtype=torch.float32)
+    for p in range(K):
+        preds = torch.full((k,), anchor, dtype=torch.long) if p == 0 else candidates[p - 1]
+        E[p] = unary[p].float()[None] + selector.pair_scores(z[p], preds, candidates[p])
+    return E
+
+
+def walk(E: torch.Tensor, candidates: torch.Tensor, *, temperature: float = 1.0, sample: bool = False,
+         generator: torch.Generator | None = None) -> Draft:
+    """The greedy left-to-right walk over E [K, k, k]: row 0 from its (anchor) predecessor, each next
+    row from the candidate just taken; argmax, or a Gumbel sample of softmax(E / T) when `sample`."""
+    K, k = candidates.shape
+    choice = torch.empty(K, dtype=torch.long)
+    scores = torch.empty(K, k, dtype=torch.float32)
+    prev = 0
+    for p in range(K):
+        s = E[p, prev]
+        if sample:
+            u = torch.rand(k, generator=generator).clamp_min(1e-20)
+            idx = int(torch.argmax(s / temperature - torch.log(-torch.log(u))))
+        else:
+            idx = int(torch.argmax(s))
+        choice[p], scores[p], prev = idx, s, idx
+    return Draft(candidates[torch.arange(K), choice], candidates, scores, choice)
+
+
+class DFlash2Drafter(nn.Module):
+    """The drafter's own weights (names as released, without a `model.` prefix); the embedding and
+    LM head are the target's, passed to `propose`."""
+
+    def __init__(self, c: DFlash2Config):
+        super().__init__()
+        self.config = c
+        n = len(c.target_layer_ids)
+        self.fc = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(c)
+
+    def context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """target_hidden [C, n*H] (the residual streams after `target_layer_ids`, concatenated in that
+        order) at `positions` -> each layer's context (k, v) [C, KV, D]."""
+        h = self.hidden_norm(self.fc(target_hidden))
+        return [layer.self_attn.keys_values(h, positions) for layer in self.layers]
+
+    def propose(self, ctx: list[tuple[torch.Tensor, torch.Tensor]], ctx_positions: torch.Tensor, anchor: int,
+                anchor_position: int, num_tokens: int, embed: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block of `anchor` + `num_tokens` mask rows -> (final hidden [B, H], FP32 soft-capped logits [B, V])."""
+        c = self.config
+        ids = torch.tensor([anchor] + [c.mask_token_id] * num_tokens)
+        positions = torch.arange(anchor_position, anchor_position + 1 + num_tokens)
+        res = F.embedding(ids, embed)
+        for layer, (k, v) in zip(self.layers, ctx):
+            res = layer(res, positions, k, v, ctx_positions)
+        h = self.norm(res)
+        return h, numerics.lm_head_logits(h, lm_head, c.final_logit_softcapping)
+
+    def draft(self, ctx, ctx_positions, anchor: int, anchor_position: int, num_tokens: int, embed, lm_head, *,
+              temperature: float = 1.0, sample: bool = False, generator: torch.Generator | None = None) -> Draft:
+        """One draft step: the block's logits, each mask row's top-k candidates, the edge scores and the walk."""
+        h, logits = self.propose(ctx, ctx_positions, anchor, anchor_position, num_tokens, embed, lm_head)
+        unary, candidates = logits[1:].topk(self.config.selector_top_k, dim=-1)
+        z = self.candidate_selector.hidden_projection(h[1:])
+        E = edge_scores(self.candidate_selector, z, unary, candidates, anchor)
+        return walk(E, candidates, temperature=temperature, sample=sample, generator=generator)

@@ -1,0 +1,151 @@
+"""The DFlash2 reference drafter (`beam_rl.model.dflash2`): config, released weight names, the block
+convolution, the attention visibility, and the selector walk against a plain loop."""
+
+import pytest
+import torch
+
+from beam_rl.model.dflash2 import BlockConv, DFlash2Config, DFlash2Drafter, block_conv, edge_scores, walk
+
+H, V = 64, 96
+RELEASE = {
+    "hidden_size": H, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0}, "max_position_embeddings": 512,
+    "sliding_window": 8, "vocab_size": V, "layer_types": ["sliding_attention"] * 2, "is_causal": False,
+    "dflash_config": {"target_layer_ids": [1, 3, 5], "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8,
+                      "selector_top_k": 6, "mask_token_id": V - 1, "final_logit_softcapping": 30.0},
+}
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    torch.manual_seed(0)
+    d = DFlash2Drafter(DFlash2Config.from_dict(RELEASE))
+    with torch.no_grad():
+        for name, p in d.named_parameters():  # away from the identity init, so every path matters
+            if "norm" not in name:
+                p.add_(torch.randn_like(p) * (0.05 if "conv" in name else 0.2))
+    return d.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def target():
+    g = torch.Generator().manual_seed(1)
+    embed = (torch.randn(V, H, generator=g) * 0.5).to(torch.bfloat16)
+    head = (torch.randn(V, H, generator=g) * 0.3).to(torch.bfloat16)
+    C = 12  # verified context tokens at positions 0..11; the anchor sits at 12
+    hidden = torch.randn(C, 3 * H, generator=g).to(torch.bfloat16)
+    return embed, head, hidden, torch.arange(C)
+
+
+def test_config_from_the_release_and_bad_fields_named():
+    c = DFlash2Config.from_dict(RELEASE)
+    assert (c.target_layer_ids, c.num_groups, c.final_logit_softcapping, c.rope_theta) == ((1, 3, 5), 4, 30.0, 10000.0)
+    for change, message in (
+        ({"is_causal": True}, "is_causal"),
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+        ({"dflash_config": {**RELEASE["dflash_config"], "conv_group_size": 24}}, "conv_group_size"),
+        ({"dflash_config": {**RELEASE["dflash_config"], "mask_token_id": V}}, "mask_token_id"),
+        ({"dflash_config": None}, "dflash_config: missing"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            DFlash2Config.from_dict({**RELEASE, **change})
+
+
+def test_weight_names_are_the_released_ones(drafter):
+    names = set(drafter.state_dict())
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight", "candidate_selector.predecessor_codebook",
+                "candidate_selector.successor_codebook", "candidate_selector.hidden_projection.weight"}
+    for i in range(2):
+        p = f"layers.{i}."
+        expected |= {p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+                                     "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                     "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                                     "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        expected |= {p + f"{conv}.{n}" for conv in ("attention_conv", "mlp_conv") for n in ("base_kernel", "kernel_projection.weight")}
+    assert names == expected
+    sd = drafter.state_dict()
+    assert sd["fc.weight"].shape == (H, 3 * H) and sd["layers.0.attention_conv.base_kernel"].shape == (2, 2, H)
+    assert sd["layers.0.attention_conv.kernel_projection.weight"].shape == (2 * 2 * 4, H)
+    assert sd["candidate_selector.predecessor_codebook"].shape == (V, 8)
+
+
+def test_block_conv_is_the_tap_sum_and_starts_as_identity():
+    g = torch.Generator().manual_seed(2)
+    B, t, gs = 5, 3, 16
+    x, base, delta = torch.randn(B, H, generator=g), torch.randn(t, H, generator=g), torch.randn(B, t, H // gs, generator=g)
+    out = block_conv(x, base, delta, gs)
+    for p in range(B):
+        for c in range(H):
+            want = sum((base[j, c] + delta[p, j, c // gs]) * x[p - j, c] for j in range(t) if j <= p)
+            assert abs(float(out[p, c]) - float(want)) < 1e-5
+    conv = BlockConv(DFlash2Config.from_dict(RELEASE))
+    xb = x.to(torch.bfloat16)
+    d = conv.deltas(xb.float())
+    assert torch.equal(conv.conv(xb, 0, d), xb) and torch.equal(conv.conv(xb, 1, d), xb)
+
+
+def test_rows_see_the_window_of_context_and_the_whole_block(drafter, target):
+    """Row j of a block anchored at a sees context positions a+j-(w-1) .. a-1 and every block row."""
+    embed, head, hidden, pos = target
+    w = drafter.config.sliding_window
+    ctx = drafter.context(hidden, pos)
+    base_h, _ = drafter.propose(ctx, pos, 5, 12, 3, embed, head)
+    far = pos < 12 - (w - 1)  # outside every row's window (row 0 sees 5..11)
+    moved = [(k.clone(), v.clone()) for k, v in ctx]
+    for k, v in moved:
+        k[far] += 3.0
+        v[far] += 3.0
+    h_far, _ = drafter.propose(moved, pos, 5, 12, 3, embed, head)
+    assert torch.equal(h_far, base_h)
+    near = [(k.clone(), v.clone()) for k, v in ctx]
+    for k, v in near:
+        v[11] += 3.0
+    h_near, _ = drafter.propose(near, pos, 5, 12, 3, embed, head)
+    assert not torch.equal(h_near[0], base_h[0])
+    longer, _ = drafter.propose(ctx, pos, 5, 12, 4, embed, head)  # one more mask row: row 0 sees it (non-causal)
+    assert not torch.equal(longer[0], base_h[0])
+
+
+def test_walk_equals_a_plain_loop_over_the_codebooks(drafter, target):
+    """The greedy walk over the precomputed edge scores takes, at every row, the candidate a plain
+    loop picks by scoring each candidate after the previously chosen token, with the same scores."""
+    embed, head, hidden, pos = target
+    ctx = drafter.context(hidden, pos)
+    anchor, K = 7, 5
+    d = drafter.draft(ctx, pos, anchor, 12, K, embed, head)
+    h, logits = drafter.propose(ctx, pos, anchor, 12, K, embed, head)
+    sel = drafter.candidate_selector
+    z = sel.hidden_projection(h[1:])
+    prev, tokens = anchor, []
+    for p in range(K):
+        unary, cands = logits[1 + p].topk(drafter.config.selector_top_k)
+        scores = []
+        for i in range(len(cands)):
+            az = (sel.predecessor_codebook[prev].float() * z[p].float()).to(torch.bfloat16).float()
+            dot = float((az * sel.successor_codebook[cands[i]].float()).sum().to(torch.bfloat16))
+            scores.append(float(unary[i]) + dot)
+        best = max(range(len(cands)), key=lambda i: scores[i])
+        assert torch.allclose(d.scores[p], torch.tensor(scores), atol=1e-4), p
+        prev = int(cands[best])
+        tokens.append(prev)
+    assert d.tokens.tolist() == tokens and len(set(tokens)) > 1
+
+
+def test_proposal_and_sampled_walk(drafter, target):
+    """The proposal is softmax(scores / T) on each row's candidates, 0 elsewhere; the sampled walk's
+    first row draws from exactly that distribution (its predecessor is the anchor whatever is drawn)."""
+    embed, head, hidden, pos = target
+    ctx = drafter.context(hidden, pos)
+    d = drafter.draft(ctx, pos, 7, 12, 4, embed, head)
+    q = d.proposal(temperature=2.0, vocab_size=V)
+    assert torch.allclose(q.sum(-1), torch.ones(4)) and bool((q.gather(1, d.candidates) > 0).all())
+    assert int((q > 0).sum()) == 4 * drafter.config.selector_top_k
+    h, logits = drafter.propose(ctx, pos, 7, 12, 4, embed, head)
+    unary, cands = logits[1:].topk(drafter.config.selector_top_k, dim=-1)
+    E = edge_scores(drafter.candidate_selector, drafter.candidate_selector.hidden_projection(h[1:]), unary, cands, 7)
+    assert torch.equal(walk(E, cands).tokens, d.tokens)
+    g = torch.Generator().manual_seed(3)
+    n = 4000
+    firsts = torch.tensor([int(walk(E, cands, temperature=2.0, sample=True, generator=g).tokens[0]) for _ in range(n)])
+    freq = torch.bincount(firsts, minlength=V).float() / n
+    assert (freq - q[0]).abs().max() < 0.03
