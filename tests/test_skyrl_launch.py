@@ -16,7 +16,7 @@ from skyrl_available import needs_skyrl  # noqa: E402
 pytestmark = needs_skyrl
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ["dapo-bf16", "dapo-lora", "dapo-mxfp8", "dapo-bf16-501b"]
+RECIPES = ["dapo-bf16", "dapo-lora", "dapo-mxfp8", "dapo-bf16-501b", "dapo-math-bf16"]
 
 
 @pytest.fixture(scope="module")
