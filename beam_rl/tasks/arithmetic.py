@@ -16,6 +16,8 @@ from functools import cached_property
 from importlib import resources
 from pathlib import Path
 
+from beam_rl.tasks import TaskSplits
+
 OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 TOKENIZER_DIR = Path(str(resources.files("beam_rl.tasks") / "tokenizer"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -70,7 +72,7 @@ def integer_reward(response_ids: list[int], answer: int, tokenizer: Tokenizer) -
 
 
 @dataclass(frozen=True)
-class ArithmeticTask:
+class ArithmeticTask(TaskSplits):
     max_operand: int = 9
     ops: str = "+"
     heldout_fraction: float = 0.2
@@ -93,14 +95,6 @@ class ArithmeticTask:
         random.Random(self.seed).shuffle(space)
         n_held = max(1, int(round(len(space) * self.heldout_fraction)))
         return space[n_held:], space[:n_held]
-
-    @property
-    def train(self) -> list[Problem]:
-        return self._splits[0]
-
-    @property
-    def heldout(self) -> list[Problem]:
-        return self._splits[1]
 
     def longest_prompt_tokens(self, tokenizer: Tokenizer) -> int:
         """Tokens of the longest prompt this task can pose (operands of the most digits)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from beam_rl.tasks import TaskSplits
 from beam_rl.tasks.arithmetic import Tokenizer
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ def is_heldout(text: str, heldout_fraction: float) -> bool:
 
 
 @dataclass(frozen=True)
-class MathSuiteTask:
+class MathSuiteTask(TaskSplits):
     levels: tuple[int, ...] = LEVELS
     num_train: int = 20000
     num_heldout: int = 256
@@ -226,14 +227,6 @@ class MathSuiteTask:
             if len(split) < size:
                 split.append(p)
         return train, heldout
-
-    @property
-    def train(self) -> list[Problem]:
-        return self._splits[0]
-
-    @property
-    def heldout(self) -> list[Problem]:
-        return self._splits[1]
 
     def prompt_text(self, problem: Problem) -> str:
         return INSTRUCTION + problem.text + "\n"
