@@ -149,3 +149,36 @@ def test_proposal_and_sampled_walk(drafter, target):
     firsts = torch.tensor([int(walk(E, cands, temperature=2.0, sample=True, generator=g).tokens[0]) for _ in range(n)])
     freq = torch.bincount(firsts, minlength=V).float() / n
     assert (freq - q[0]).abs().max() < 0.03
+
+
+def test_drafter_distils_a_target_continuation(tiny_model, tiny_config):
+    """The training reference on beam-tiny: the drafter reads the target's residual streams after
+    its target layers, the block loss (position-decayed CE + selector CE) falls under AdamW, and
+    the greedy walk's accepted length against the target's own greedy continuation grows."""
+    from beam_rl.model.dflash2 import accepted_lengths, block_loss, target_hidden_states
+
+    cfg = DFlash2Config.from_dict({**RELEASE, "hidden_size": tiny_config.hidden_size, "vocab_size": tiny_config.vocab_size,
+                                   "dflash_config": {**RELEASE["dflash_config"], "mask_token_id": tiny_config.vocab_size - 1}})
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(cfg)
+    embed, head = tiny_model.model.embed_tokens.weight.detach(), tiny_model.lm_head.weight.detach()
+    prompt = torch.randint(0, 400, (6,), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([prompt, tiny_model.greedy_generate(prompt[None], 24)[0]])  # the prompt + the target's greedy tokens
+    hidden = target_hidden_states(tiny_model, ids, cfg.target_layer_ids).float()
+    assert hidden.shape == (ids.shape[0], 3 * tiny_config.hidden_size)
+    anchors, K = list(range(6, ids.shape[0] - 5, 3)), 4
+    embed, head = embed.float(), head.float()
+    before = accepted_lengths(drafter, hidden, ids, anchors, K, embed, head)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
+    losses = []
+    for _ in range(25):
+        loss, metrics = block_loss(drafter, hidden, ids, anchors, K, embed, head)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    after = accepted_lengths(drafter, hidden, ids, anchors, K, embed, head)
+    print(f"\nblock loss {losses[0]:.3f} -> {losses[-1]:.3f}; per-position top-1 {metrics['top1']}; "
+          f"mean accepted {sum(before) / len(before):.2f} -> {sum(after) / len(after):.2f} of {K}")
+    assert losses[-1] < 0.5 * losses[0]
+    assert sum(after) > sum(before) and sum(after) / len(after) >= 2.0

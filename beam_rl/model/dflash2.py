@@ -319,3 +319,67 @@ class DFlash2Drafter(nn.Module):
         z = self.candidate_selector.hidden_projection(h[1:])
         E = edge_scores(self.candidate_selector, z, unary, candidates, anchor)
         return walk(E, candidates, temperature=temperature, sample=sample, generator=generator)
+
+
+# -- training and acceptance (the reference of `beam-rl train-drafter`) -----------------------------
+def target_hidden_states(target, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """The reference target's residual streams after the 0-based layers `layer_ids` for one sequence
+    ids [T], concatenated in that order: [T, n*H] (what the drafter's context path reads)."""
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [target.model.layers[l].register_forward_hook(lambda m, a, out, l=l: captured.__setitem__(l, out[0][0]))
+             for l in layer_ids]
+    try:
+        with torch.no_grad():
+            target(ids[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.cat([captured[l] for l in layer_ids], dim=-1)
+
+
+def block_loss(drafter: DFlash2Drafter, hidden: torch.Tensor, ids: torch.Tensor, anchors: list[int], num_tokens: int,
+               embed: torch.Tensor, lm_head: torch.Tensor, *, gamma: float = 7.0, alpha: float = 0.5) -> tuple[torch.Tensor, dict]:
+    """Distillation loss of one sequence (ids [T], target hidden [T, n*H]) over blocks anchored at
+    `anchors` (each with a+num_tokens < T): row k's cross-entropy to the token at a+k weighted by
+    exp(-(k-1)/gamma), plus alpha times the selector's K-way cross-entropy over the edge scores of
+    the unary top-K (the gold token injected where missing, the predecessor teacher-forced to the
+    gold token at a+k-1). Returns (loss, {"token_ce", "selector_ce", "top1"})."""
+    c, K = drafter.config, num_tokens
+    positions = torch.arange(ids.shape[0])
+    ctx = drafter.context(hidden, positions)
+    w = torch.exp(-torch.arange(K, dtype=torch.float32) / gamma)
+    token_ce, sel_ce, top1 = [], [], []
+    for a in anchors:
+        gold = ids[a + 1 : a + 1 + K]
+        h, logits = drafter.propose([(k[:a], v[:a]) for k, v in ctx], positions[:a], int(ids[a]), a, K, embed, lm_head)
+        ce = F.cross_entropy(logits[1:], gold, reduction="none")
+        token_ce.append((w * ce).sum() / w.sum())
+        top1.append((logits[1:].argmax(-1) == gold).float())
+        cands = logits[1:].detach().topk(c.selector_top_k, dim=-1).indices.clone()
+        missing = ~(cands == gold[:, None]).any(-1)
+        cands[missing, -1] = gold[missing]
+        target_idx = (cands == gold[:, None]).float().argmax(-1)
+        z = drafter.candidate_selector.hidden_projection(h[1:])
+        preds = torch.cat([ids[a : a + 1], gold[:-1]])
+        scores = torch.stack([logits[1 + p].gather(0, cands[p]) + drafter.candidate_selector.pair_scores(z[p], preds[p : p + 1], cands[p])[0]
+                              for p in range(K)])
+        sel_ce.append(F.cross_entropy(scores, target_idx))
+    token_ce, sel_ce = torch.stack(token_ce).mean(), torch.stack(sel_ce).mean()
+    return token_ce + alpha * sel_ce, {"token_ce": float(token_ce), "selector_ce": float(sel_ce),
+                                      "top1": torch.stack(top1).mean(0).tolist()}
+
+
+def accepted_lengths(drafter: DFlash2Drafter, hidden: torch.Tensor, ids: torch.Tensor, anchors: list[int], num_tokens: int,
+                     embed: torch.Tensor, lm_head: torch.Tensor) -> list[int]:
+    """Per anchor, how many of the greedy walk's tokens a greedy target accepts: the leading run equal
+    to the target's own continuation ids[a+1:] (ids being the target's greedy generation)."""
+    positions = torch.arange(ids.shape[0])
+    ctx = drafter.context(hidden, positions)
+    out = []
+    for a in anchors:
+        with torch.no_grad():
+            d = drafter.draft([(k[:a], v[:a]) for k, v in ctx], positions[:a], int(ids[a]), a, num_tokens, embed, lm_head)
+        gold = ids[a + 1 : a + 1 + num_tokens]
+        same = (d.tokens[: len(gold)] == gold).long()
+        out.append(int(same.cumprod(0).sum()))
+    return out
