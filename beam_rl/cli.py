@@ -120,12 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
     from beam_rl.dapo.cli import add_dapo_parser, add_plot_parser, add_warm_start_parser
+    from beam_rl.drafter.train import add_train_drafter_parser
     from beam_rl.eval.run import add_eval_parser
     from beam_rl.gap.cli import add_gap_parser
     from beam_rl.skyrl.launch import add_launch_parser
     from beam_rl.sync.run import add_sync_parser
 
-    for add in (add_eval_parser, add_sync_parser, add_gap_parser, add_dapo_parser, add_warm_start_parser, add_plot_parser, add_launch_parser):
+    for add in (add_eval_parser, add_sync_parser, add_gap_parser, add_dapo_parser, add_warm_start_parser, add_plot_parser, add_launch_parser,
+                add_train_drafter_parser):
         add(sub)
     for command in sub.choices.values():
         command.add_argument("--debug", action="store_true", help="show the traceback of an input error")

@@ -182,3 +182,29 @@ def test_drafter_distils_a_target_continuation(tiny_model, tiny_config):
           f"mean accepted {sum(before) / len(before):.2f} -> {sum(after) / len(after):.2f} of {K}")
     assert losses[-1] < 0.5 * losses[0]
     assert sum(after) > sum(before) and sum(after) / len(after) >= 2.0
+
+
+def test_train_drafter_cli_writes_a_released_format_drafter(tiny_checkpoint, tmp_path, capsys):
+    """`beam-rl train-drafter` end to end on beam-tiny with the arithmetic task: target generations,
+    training, the held-out acceptance curve, and a drafter that loads back bit for bit."""
+    import json
+
+    from beam_rl.cli import main
+    from beam_rl.model.dflash2 import load_drafter
+    from safetensors.torch import load_file
+
+    out = tmp_path / "drafter"
+    assert main(["train-drafter", "--checkpoint", str(tiny_checkpoint), "--recipe", "recipes/tiny-cpu.yaml", "--out", str(out),
+                 "--steps", "20", "--block", "4", "--prompts", "8", "--heldout", "4", "--gen-tokens", "12", "--anchors", "4",
+                 "--lr", "3e-3", "--eval-every", "10"]) == 0
+    report = json.loads((out / "train_drafter.json").read_text())
+    assert [c["step"] for c in report["curve"]] == [0, 10, 20] and report["target_layer_ids"] == [1, 2, 3]
+    assert all(len(c["acceptance_per_position"]) == 4 and 1.0 <= c["tau"] <= 5.0 for c in report["curve"])
+    assert report["curve"][-1]["loss"] < 10
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2BeamDraftModel"] and config["dflash_config"]["target_layer_ids"] == [1, 2, 3]
+    drafter = load_drafter(out)
+    saved = load_file(str(out / "model.safetensors"))
+    assert all(torch.equal(drafter.state_dict()[k], v) for k, v in saved.items())
+    assert "held-out tau" in capsys.readouterr().out
+    assert main(["train-drafter", "--checkpoint", str(tiny_checkpoint), "--recipe", "recipes/tiny-cpu.yaml", "--out", str(out)]) == 2

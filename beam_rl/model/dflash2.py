@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from beam_rl.model import numerics
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -365,7 +369,7 @@ def block_loss(drafter: DFlash2Drafter, hidden: torch.Tensor, ids: torch.Tensor,
                               for p in range(K)])
         sel_ce.append(F.cross_entropy(scores, target_idx))
     token_ce, sel_ce = torch.stack(token_ce).mean(), torch.stack(sel_ce).mean()
-    return token_ce + alpha * sel_ce, {"token_ce": float(token_ce), "selector_ce": float(sel_ce),
+    return token_ce + alpha * sel_ce, {"token_ce": token_ce.item(), "selector_ce": sel_ce.item(),
                                       "top1": torch.stack(top1).mean(0).tolist()}
 
 
@@ -383,3 +387,61 @@ def accepted_lengths(drafter: DFlash2Drafter, hidden: torch.Tensor, ids: torch.T
         same = (d.tokens[: len(gold)] == gold).long()
         out.append(int(same.cumprod(0).sum()))
     return out
+
+
+# -- the released format -----------------------------------------------------------------------------
+ARCHITECTURE = "DFlash2BeamDraftModel"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def config_dict(c: DFlash2Config) -> dict:
+    """`c` as the released drafter's config.json (top-level keys + `dflash_config`)."""
+    return {
+        "architectures": [ARCHITECTURE], "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "max_position_embeddings": c.max_position_embeddings, "sliding_window": c.sliding_window,
+        "vocab_size": c.vocab_size, "layer_types": ["sliding_attention"] * c.num_hidden_layers, "is_causal": False,
+        "torch_dtype": "bfloat16",
+        "dflash_config": {"target_layer_ids": list(c.target_layer_ids), "conv_kernel_size": c.conv_kernel_size,
+                          "conv_group_size": c.conv_group_size, "selector_rank": c.selector_rank,
+                          "selector_top_k": c.selector_top_k, "mask_token_id": c.mask_token_id,
+                          "final_logit_softcapping": c.final_logit_softcapping},
+    }
+
+
+def save_drafter(drafter: DFlash2Drafter, out) -> "Path":
+    """config.json + model.safetensors (BF16, the released names) in `out`."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}, str(out / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config_dict(drafter.config), indent=1) + "\n")
+    return out
+
+
+def load_drafter(path, dtype: torch.dtype = torch.bfloat16) -> DFlash2Drafter:
+    """A saved drafter; every released tensor must be there with its shape (named if not)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    drafter = DFlash2Drafter(DFlash2Config.from_dict(json.loads((path / "config.json").read_text())))
+    state = load_file(str(path / WEIGHTS_FILE))
+    own = drafter.state_dict()
+    if set(state) != set(own):
+        raise ValueError(f"{path / WEIGHTS_FILE}: tensors differ from the drafter's: missing {sorted(set(own) - set(state))[:5]}, "
+                         f"unexpected {sorted(set(state) - set(own))[:5]}")
+    bad = [k for k in own if state[k].shape != own[k].shape]
+    if bad:
+        raise ValueError(f"{path / WEIGHTS_FILE}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, the config gives {tuple(own[bad[0]].shape)}")
+    drafter.load_state_dict(state)
+    return drafter.to(dtype)
