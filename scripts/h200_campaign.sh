@@ -36,6 +36,8 @@
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
 #                  learning runs from that warm start, 50 steps, resumed from $WORK/runs/math-<mode> when a
 #                  call ran out of time; metrics in $OUT/math-<mode>.jsonl
+#   drafter        beam-rl train-drafter on the math warm start ($WORK/ckpt/math-mini-warm) -> $WORK/drafter-math;
+#                  the held-out acceptance curve in $OUT/train_drafter.json (DRAFTER_ARGS, e.g. "--steps 600")
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$REPO/runs/h200}
@@ -72,6 +74,7 @@ stage_cmd() {
     math_warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/ckpt/math-mini-warm --overwrite" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; cp $r/metrics.jsonl $OUT/math-$m.jsonl; exit \$rc" ;;
+    drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
     *) echo "echo unknown stage $1; exit 2" ;;
   esac
 }
