@@ -4,9 +4,11 @@ Every problem has a non-negative integer answer and a worked solution of one lin
 (`7*3=21`), then `Answer: N`: tens of tokens of reasoning the model has to get right digit by
 digit. Difficulty is graded by `level`:
 
-- 1: two steps on one-digit operands (products up to 81);
+- 1: two steps on one-digit operands;
 - 2: two steps on operands up to 30;
-- 3: three steps on operands up to 99.
+- 3: three steps on operands up to 99;
+
+every factor of a product past level 1 has one digit, and no result exceeds `MAX_VALUE`.
 
 Half the problems are arithmetic expressions (`Compute 12+7*3-5.`, multiplications first, then
 left to right), half are word problems from `WORD_PROBLEMS` (names, items and numbers drawn at
