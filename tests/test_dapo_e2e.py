@@ -132,8 +132,9 @@ def test_math_task_through_the_loop(engine, tmp_path):
     avg@k graded through math-verify (a random beam-tiny answers nothing right; the overlong penalty
     still tells its groups apart, so the step trains, with R3)."""
     r = recipe(run={"total_steps": 1, "eval_every": 1},
-               task={"name": "math", "levels": "1", "num_train": 64, "num_heldout": 4},
-               rollout={"max_response_tokens": 64, "max_model_len": 320})
+               task={"name": "math", "levels": "1", "num_train": 32, "num_heldout": 4},
+               rollout={"max_response_tokens": 32, "max_model_len": 320, "prompts_per_step": 2},
+               warm_start={"steps": 4, "batch_size": 8})  # the suite's 230-token prompts: a small warm-start batch
     rows = run_dapo(r, tmp_path / "math", engine=engine, progress=False)
     assert [m["step"] for m in rows] == [0, 1]
     assert rows[0]["heldout_avg2"] == rows[1]["heldout_avg2"] == 0.0 and rows[1]["accuracy"] == 0.0
