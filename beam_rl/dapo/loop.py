@@ -95,15 +95,22 @@ def _engine_dir(root: Path, tensors: dict, config) -> tuple[Path, dict[str, str]
     return path, checksums_of(tensors.items())
 
 
+def generate_groups(engine: RolloutEngine, task, tok: Tokenizer, recipe: Recipe, problems: list, seeds: list[int],
+                    group: int, adapter=None) -> RolloutBatch:
+    """`group` samples of every problem's prompt (one seed each), at the recipe's rollout settings."""
+    ro = recipe.rollout
+    prompts = [task.prompt_ids(p, tok) for p in problems for _ in range(group)]
+    sampling = [Sampling(max_tokens=ro.max_response_tokens, temperature=ro.temperature, seed=s,
+                         stop_token_ids=(tok.eos_id,)) for s in seeds]
+    return engine.generate(prompts, sampling, adapter=adapter)
+
+
 def heldout_avg(engine: RolloutEngine, task, tok: Tokenizer, recipe: Recipe, adapter=None) -> float:
     """Held-out avg@k (k = rollout.eval_samples): every held-out problem sampled k times with the
     same seeds at every evaluation, graded by the task."""
-    k, ro = recipe.rollout.eval_samples, recipe.rollout
-    problems = task.heldout
-    prompts = [task.prompt_ids(p, tok) for p in problems for _ in range(k)]
-    sampling = [Sampling(max_tokens=ro.max_response_tokens, temperature=ro.temperature, seed=eval_seed(recipe.run.seed, i),
-                         stop_token_ids=(tok.eos_id,)) for i in range(len(prompts))]
-    samples = engine.generate(prompts, sampling, adapter=adapter).samples
+    k, problems = recipe.rollout.eval_samples, task.heldout
+    seeds = [eval_seed(recipe.run.seed, i) for i in range(len(problems) * k)]
+    samples = generate_groups(engine, task, tok, recipe, problems, seeds, k, adapter).samples
     correct = task.rewards([p for p in problems for _ in range(k)], [o.output_ids.tolist() for o in samples], tok)
     return float(np.mean(correct))
 
@@ -212,12 +219,6 @@ class Job:
         return adapter
 
     # -- phases ----------------------------------------------------------------------------------
-    def _generate(self, problems: list, seeds: list[int], group: int) -> RolloutBatch:
-        prompts = [self.task.prompt_ids(p, self.tok) for p in problems for _ in range(group)]
-        sampling = [Sampling(max_tokens=self.r.rollout.max_response_tokens, temperature=self.r.rollout.temperature, seed=s,
-                             stop_token_ids=(self.tok.eos_id,)) for s in seeds]
-        return self.engine.generate(prompts, sampling, adapter=self.adapter)
-
     def rollout(self, step: int) -> tuple[DynamicSampler, dict]:
         ro, d = self.r.rollout, self.r.dapo
         ol = d.overlong
@@ -228,7 +229,7 @@ class Job:
             idx = self.data.take(n)
             problems = [self.task.train[i] for i in idx]
             seeds = [sampling_seed(self.r.run.seed, step, sampler.rounds, i) for i in range(n * G)]
-            samples = self._generate(problems, seeds, G).samples
+            samples = generate_groups(self.engine, self.task, self.tok, self.r, problems, seeds, G, self.adapter).samples
             graded = self.task.rewards([p for p in problems for _ in range(G)], [o.output_ids.tolist() for o in samples], self.tok)
             groups, rewards = [], []
             for g, (i, p) in enumerate(zip(idx, problems)):
