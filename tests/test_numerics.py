@@ -189,6 +189,8 @@ def test_round_toward_zero_drops_the_low_bits():
     assert torch.equal(numerics.round_to(x, torch.float32, "toward_zero"), x)
     with pytest.raises(ValueError, match="rounding='up'"):
         numerics.round_to(x, torch.bfloat16, "up")
+    with pytest.raises(ValueError, match="rounding='up'"):
+        numerics.round_to(x, torch.float32, "up")  # named even where the cast would be a no-op
     with pytest.raises(ValueError, match="BF16 outputs"):
         numerics.round_to(x, torch.float16, "toward_zero")
 

@@ -169,10 +169,10 @@ class AttentionNumerics:
 def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
     """x cast to dtype: "nearest" (PyTorch's cast, round to nearest even) or "toward_zero" (FP32 to
     BF16 by dropping the low 16 bits, as vLLM's CPU kernels convert without AVX512-BF16)."""
+    if rounding not in OUTPUT_ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}; choose from {OUTPUT_ROUNDINGS}")
     if rounding == "nearest" or dtype == x.dtype:
         return x.to(dtype)
-    if rounding != "toward_zero":
-        raise ValueError(f"rounding={rounding!r}; choose from {OUTPUT_ROUNDINGS}")
     if dtype != torch.bfloat16:
         raise ValueError(f"rounding toward zero is defined for BF16 outputs, not {dtype}")
     bits = x.float().contiguous().view(torch.int32) & -65536  # keep sign, exponent and the top 7 mantissa bits
