@@ -234,6 +234,11 @@ class CandidateSelector(nn.Module):
         az = (self.predecessor_codebook[predecessors].float() * z.float()).to(torch.bfloat16).float()
         return (az @ self.successor_codebook[candidates].float().t()).to(torch.bfloat16).float()
 
+    def edge_scores(self, z: torch.Tensor, unary: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """E [P, k] of one row: its candidates' unary logits [k] + `pair_scores` after each
+        predecessor token, summed in FP32."""
+        return unary.float()[None] + self.pair_scores(z, predecessors, candidates)
+
 
 @dataclass
 class Draft:
@@ -260,7 +265,7 @@ def edge_scores(selector: CandidateSelector, z: torch.Tensor, unary: torch.Tenso
     E = torch.empty(K, k, k, dtype=torch.float32)
     for p in range(K):
         preds = torch.full((k,), anchor, dtype=torch.long) if p == 0 else candidates[p - 1]
-        E[p] = unary[p].float()[None] + selector.pair_scores(z[p], preds, candidates[p])
+        E[p] = selector.edge_scores(z[p], unary[p], preds, candidates[p])
     return E
 
 
@@ -365,7 +370,7 @@ def block_loss(drafter: DFlash2Drafter, hidden: torch.Tensor, ids: torch.Tensor,
         target_idx = (cands == gold[:, None]).float().argmax(-1)
         z = drafter.candidate_selector.hidden_projection(h[1:])
         preds = torch.cat([ids[a : a + 1], gold[:-1]])
-        scores = torch.stack([logits[1 + p].gather(0, cands[p]) + drafter.candidate_selector.pair_scores(z[p], preds[p : p + 1], cands[p])[0]
+        scores = torch.stack([drafter.candidate_selector.edge_scores(z[p], logits[1 + p].gather(0, cands[p]), preds[p : p + 1], cands[p])[0]
                               for p in range(K)])
         sel_ce.append(F.cross_entropy(scores, target_idx))
     token_ce, sel_ce = torch.stack(token_ce).mean(), torch.stack(sel_ce).mean()
