@@ -23,7 +23,7 @@ from beam_rl.skyrl.loss import NAME as LOSS_NAME
 __all__ = ["ADVANTAGE_NAME", "ENV_NAME", "INSTALL", "LOSS_NAME", "SkyRLMissing", "register", "register_beam_bridge",
            "register_env", "worker_setup"]
 
-ENV_ENTRY_POINTS = {ENV_NAME: "beam_rl.skyrl.env:make_env", MATH_ENV_NAME: "beam_rl.skyrl.env:make_math_env"}
+ENV_ENTRY_POINTS = {ENV_NAME: "beam_rl.skyrl.env:BeamArithmeticEnv", MATH_ENV_NAME: "beam_rl.skyrl.env:BeamMathEnv"}
 
 
 def register_env() -> None:

@@ -72,15 +72,20 @@ def _env_class(name: str):
             return {"observations": [], "reward": reward(action, self.answer), "done": True, "metadata": {}}
 
     BeamTaskEnv.__module__ = __name__
-    BeamTaskEnv.__qualname__ = BeamTaskEnv.__name__ = {NAME: "BeamArithmeticEnv", MATH_NAME: "BeamMathEnv"}[name]
+    BeamTaskEnv.__qualname__ = BeamTaskEnv.__name__ = CLASS_NAMES[name]
     return BeamTaskEnv
 
 
-def make_env(env_config: Any = None, extras: dict | None = None, **kwargs):
-    """skyrl-gym entry point of `beam_arithmetic` (`skyrl_gym.make(NAME, env_config=..., extras=...)`)."""
-    return _env_class(NAME)(env_config=env_config, extras=extras)
+CLASS_NAMES = {NAME: "BeamArithmeticEnv", MATH_NAME: "BeamMathEnv"}
+"""The environment class of each name, an attribute of this module (skyrl-gym's entry point
+`beam_rl.skyrl.env:<class>`). A class, not a factory function: SkyRL aggregates each environment's
+metrics through `entry_point.aggregate_metrics` (`skyrl_gym.metrics.aggregate_for_environment`)."""
 
 
-def make_math_env(env_config: Any = None, extras: dict | None = None, **kwargs):
-    """skyrl-gym entry point of `beam_math`."""
-    return _env_class(MATH_NAME)(env_config=env_config, extras=extras)
+def __getattr__(attr: str):
+    # The classes subclass skyrl-gym's BaseTextEnv, so they are built on first access: importing this
+    # module needs no SkyRL.
+    for name, class_name in CLASS_NAMES.items():
+        if attr == class_name:
+            return _env_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
