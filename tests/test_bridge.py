@@ -213,6 +213,21 @@ def test_logprobs_equal_beam_provider(bridge_model, tiny_model, tiny_config, ckp
         assert torch.equal(lp, lp_ours), f"replay={replay is not None}: max|diff| {(lp - lp_ours).abs().max().item():.3e}"
 
 
+def test_padding_positions_never_reach_real_tokens(bridge_model, ckpt):
+    """SkyRL's unpacked batches give right padding the position 0 (beam-rl continues 0..T-1): the
+    real tokens' logits are the same either way, bit for bit, so no real query sees a padding key."""
+    config, _ = ckpt
+    ids = inputs(config)
+    model = bridge_model[0].eval()
+    ours = torch.arange(T).expand(B, T)
+    padding = ours >= LENGTHS[:, None]
+    skyrl = torch.where(padding, 0, ours)
+    with torch.no_grad():
+        r3.clear_replay(model)
+        want, got = (model(ids, pos, None, padding_mask=padding) for pos in (ours, skyrl))
+    assert padding.any() and torch.equal(got[~padding], want[~padding])
+
+
 def test_accepts_skyrl_gpu_settings(bridge):
     skyrl_settings(bridge.to_megatron_provider(load_weights=False), tp=2, ep=2, gpu=True).check_beam()
 

@@ -17,8 +17,10 @@ nearest or, where the rollout engine's kernels do (`AttentionNumerics.output_rou
 output gate g = round(gate + bias), s = round(sigmoid(g)), out = round(attn * s).
 
 Positions: Beam's GPT model passes the position ids [b, s] where Megatron passes `rotary_pos_emb`;
-key j is visible to query i of the same row iff 0 <= pos_i - pos_j < window (window = None on
-full-attention layers), so right-padded batches need no extra mask.
+key j is visible to query i of the same row iff j <= i and 0 <= pos_i - pos_j < window (window = None
+on full-attention layers), so right-padded batches need no extra mask whatever positions the padding
+carries (beam-rl continues them, SkyRL sets them to 0: by position alone every real token would see
+such padding keys).
 """
 
 from __future__ import annotations
@@ -140,7 +142,8 @@ class BeamSelfAttention(MegatronModule):
     def core_attention(self, q, k, v, positions):
         """q [b, H, s, D], k/v [b, KV, s, D], positions [b, s] -> [b, H, s, D] rounded once."""
         dist = positions[:, :, None] - positions[:, None, :]  # (b, s_q, s_k)
-        visible = dist >= 0
+        index = torch.arange(positions.shape[1], device=positions.device)
+        visible = (dist >= 0) & (index[:, None] >= index[None, :])  # causal in the row too: padding comes last
         if self.window is not None:
             visible &= dist < self.window
         dtype = q.dtype
