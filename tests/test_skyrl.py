@@ -307,3 +307,18 @@ def test_metrics_file_keeps_every_tracker_payload(tmp_path):
     tracker.finish()  # reaches the wrapped tracker
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": 1, "reward/avg": 0.25, "policy/loss": -1.5, "bad": None, "name": "x"}, {"step": 2, "reward/avg": 0.5}]
+
+
+@needs_skyrl
+def test_trainer_refuses_a_batch_without_routes_when_replay_is_on():
+    """R3 on and no `rollout_expert_indices`: BeamDAPOTrainer refuses the batch (naming the key)
+    instead of training with the routers' own choices."""
+    from types import SimpleNamespace
+
+    from beam_rl.skyrl.trainer import trainer_class
+
+    cls = trainer_class()
+    me = SimpleNamespace(cfg=SimpleNamespace(trainer=SimpleNamespace(policy=SimpleNamespace(
+        megatron_config=SimpleNamespace(moe_enable_routing_replay=True)))))
+    with pytest.raises(RuntimeError, match="enable_return_routed_experts"):
+        cls.convert_to_training_input(me, {"rollout_expert_indices": None, "response_ids": [[1]]}, ["a"])

@@ -41,7 +41,8 @@ def fresh(monkeypatch, owner, *attrs):
 
 # -- versions ------------------------------------------------------------------------------------------
 PATCH_FUNCTIONS = [P.reuse_port_socket, P.load_weights_via_update_target, P.clear_replay_per_schedule,
-                   P.distinct_padding_routes, P.keep_fp32_routers, P.router_pd_flag, P.apply_all]
+                   P.distinct_padding_routes, P.sequence_major_routes, P.keep_routes_through_filter,
+                   P.zero_reward_on_non_stop_batched, P.keep_fp32_routers, P.router_pd_flag, P.apply_all]
 
 
 @pytest.mark.parametrize("fn", PATCH_FUNCTIONS, ids=lambda f: f.__name__)
@@ -276,6 +277,93 @@ def test_distinct_padding_routes(replay):
     assert P.with_distinct_padding(torch.zeros(2, 1, dtype=torch.uint8)).tolist() == [[0], [0]]  # top-1: unchanged
 
 
+def test_sequence_major_routes_replays_each_token_its_own_experts(replay):
+    """Two sequences in one micro-batch: after both route patches, RouterReplay's rows are in the
+    order Megatron's router reads its [seq, batch] tokens (beam-rl's own `to_router_order`), and
+    row s * batch + b holds the route vLLM recorded for token s of sequence b."""
+    from beam_rl.megatron.replay import to_router_order
+
+    h = replay
+    mb, routes = _micro_batch()
+    lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]
+    P.distinct_padding_routes()
+    P.sequence_major_routes()
+    P.sequence_major_routes()  # idempotent: one wrapper of each
+    split = skyrl_module(P.REPLAY_UTILS)._split_replay_indices
+    assert P._patched(split, "distinct_padding_routes") and P._patched(split, "sequence_major_routes")
+    assert P._patched(split.__wrapped__, "distinct_padding_routes") and not P._patched(split.__wrapped__, "sequence_major_routes")
+    _forward(h)
+    for layer, (target, _) in zip((1, 2), h.seen[-1]):
+        by_token = target.view(6, 2, 2)  # [token, sequence, top-2]
+        for b, n in enumerate(lengths):
+            captured = torch.tensor([row[layer] for row in routes[b]], dtype=target.dtype)
+            assert torch.equal(by_token[: n - 1, b], captured)
+    x = torch.stack([torch.randperm(8)[:2] for _ in range(3 * 5 * 4)]).view(3, 5, 4, 2)  # [B, T, L, K], distinct
+    assert all(torch.equal(a, b) for a, b in zip(split(x), to_router_order(x)))
+
+
+def test_keep_routes_through_filter_in_dynamic_sampling():
+    """SkyRL's own dynamic sampling (`filter`): the kept groups keep their routes, aligned with
+    their responses; unpatched they are dropped."""
+    tu = skyrl_module(P.TRAINER_UTILS)
+    routes = [[[[i, i + 1]]] for i in range(4)]  # one route per trajectory, tagged by its index
+    out = {"prompt_token_ids": [[1]] * 4, "response_ids": [[10], [11], [12], [13]], "rewards": [1.0, 1.0, 0.0, 1.0],
+           "loss_masks": [[1]] * 4, "stop_reasons": ["stop"] * 4, "rollout_metrics": {}, "rollout_logprobs": None,
+           "rollout_expert_indices": routes}
+    uids = ["a", "a", "b", "b"]  # group a: all 1 (dropped), group b: 0 / 1 (kept)
+    cfg = {"type": "filter", "max_sample_batches": 4, "train_batch_size": 1, "n_samples_per_prompt": 2}
+    original = P.original(tu.filter_generator_output)
+    try:
+        tu.filter_generator_output = original
+        kept, _, more, _ = tu.handle_dynamic_sampling(dict(out), uids, cfg, {"sample_batch_count": 1})
+        assert not more and "rollout_expert_indices" not in kept  # SkyRL 0.3.0: the routes are gone
+        P.keep_routes_through_filter()
+        kept, kept_uids, more, _ = tu.handle_dynamic_sampling(dict(out), uids, cfg, {"sample_batch_count": 1})
+        assert not more and kept_uids == ["b", "b"] and kept["response_ids"] == [[12], [13]]
+        assert kept["rollout_expert_indices"] == [routes[2], routes[3]]
+    finally:
+        tu.filter_generator_output = P.original(tu.filter_generator_output)
+
+
+def test_zero_reward_on_non_stop_batched_through_skyrls_generator(tmp_path):
+    """SkyRL's batched generator with the `beam_arithmetic` environment: a right answer cut at the
+    length cap (stop reason "length") scores 0 with `zero_reward_on_non_stop`, 1 unpatched."""
+    from transformers import AutoTokenizer
+
+    from beam_rl.skyrl import register_env
+    from beam_rl.skyrl.data import write_tokenizer
+
+    register_env()
+    gen_mod = skyrl_module(P.GYM_GENERATOR)
+    config = skyrl_module("skyrl.train.config")
+    tok = AutoTokenizer.from_pretrained(write_tokenizer(tmp_path / "tok"))
+
+    class Client:  # the inference client: two responses "12", the second stopped by the length cap
+        async def generate(self, engine_input, model=None):
+            n = len(engine_input["prompt_token_ids"])
+            ids = tok.encode("12", add_special_tokens=False)
+            return {"responses": ["12"] * n, "response_ids": [ids] * n, "stop_reasons": ["stop", "length"][:n],
+                    "response_logprobs": None}
+
+    gen_cfg = config.GeneratorConfig(batched=True, max_turns=1, zero_reward_on_non_stop=True)
+    cls = gen_mod.SkyRLGymGenerator
+    prompts = [[{"role": "user", "content": "5+7="}]] * 2
+    extras = [{"reward_spec": {"ground_truth": 12}} for _ in range(2)]
+
+    def rewards():
+        g = cls(gen_cfg, config.SkyRLGymConfig(), Client(), tok)
+        return asyncio.run(g.generate_batched(prompts, ["beam_arithmetic"] * 2, [dict(e) for e in extras], max_tokens=8))["rewards"]
+
+    original = P.original(cls.generate_batched)
+    try:
+        cls.generate_batched = original
+        assert rewards() == [1.0, 1.0]  # SkyRL 0.3.0: the cut response keeps its reward
+        P.zero_reward_on_non_stop_batched()
+        assert rewards() == [1.0, 0.0]
+    finally:
+        cls.generate_batched = original
+
+
 # -- d. FP32 routers --------------------------------------------------------------------------------------------
 ROUTER_W, ROUTER_B = "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"
 
@@ -399,7 +487,8 @@ from beam_rl.skyrl import worker_setup
 worker_setup()
 assert not any(m in sys.modules for m in ("vllm", "megatron.bridge", {P.REPLAY_UTILS!r})), "imported eagerly"
 replay = importlib.import_module({P.REPLAY_UTILS!r})
-assert replay._split_replay_indices.__beam_rl_patch__ == "distinct_padding_routes"
+from beam_rl.skyrl.patches import _patched
+assert _patched(replay._split_replay_indices, "distinct_padding_routes") and _patched(replay._split_replay_indices, "sequence_major_routes")
 worker = importlib.import_module({P.MEGATRON_WORKER!r})  # needs Megatron-Bridge: registered just before
 assert worker.MegatronWeightExtractor.extract_weights.__beam_rl_patch__ == "keep_fp32_routers"
 import transformers

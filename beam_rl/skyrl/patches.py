@@ -12,6 +12,9 @@ marks what it replaced, so a second call changes nothing.
 | `load_weights_via_update_target` | `NewInferenceWorkerWrap.update_weights_nccl` | PR #1854 |
 | `clear_replay_per_schedule` | `megatron_model_wrapper.get_forward_backward_func` | PR #1908 |
 | `distinct_padding_routes` | `replay_utils._split_replay_indices` | PR #1908 |
+| `sequence_major_routes` | `replay_utils._split_replay_indices` | none known |
+| `keep_routes_through_filter` | `trainer_utils.filter_generator_output` | none known |
+| `zero_reward_on_non_stop_batched` | `SkyRLGymGenerator.generate_batched` | none known |
 | `keep_fp32_routers` | `MegatronWeightExtractor`, `CudaIpcWeightTransferSender` | none (HEAD still casts) |
 | `router_pd_flag` | `vllm_router.VLLMRouter.start` (vllm-router >= 0.1.16) | none |
 
@@ -43,6 +46,8 @@ REPLAY_UTILS = "skyrl.backends.skyrl_train.utils.replay_utils"
 MEGATRON_WORKER = "skyrl.backends.skyrl_train.workers.megatron.megatron_worker"
 CUDA_IPC = "skyrl.backends.skyrl_train.weight_sync.cuda_ipc_strategy"
 ROUTER = "skyrl.backends.skyrl_train.inference_servers.vllm_router"
+TRAINER_UTILS = "skyrl.train.utils.trainer_utils"
+GYM_GENERATOR = "skyrl.train.generators.skyrl_gym_generator"
 
 _MARK = "__beam_rl_patch__"
 
@@ -64,8 +69,13 @@ def require_skyrl(patch: str, upstream: str) -> None:
         )
 
 
-def _patched(obj) -> bool:
-    return getattr(obj, _MARK, None) is not None
+def _patched(obj, patch: str | None = None) -> bool:
+    """Whether `obj` is a patch (`patch` given: whether that patch is among the wrappers)."""
+    while getattr(obj, _MARK, None) is not None:
+        if patch is None or getattr(obj, _MARK) == patch:
+            return True
+        obj = obj.__wrapped__
+    return False
 
 
 def _mark(fn, patch: str):
@@ -212,7 +222,7 @@ def distinct_padding_routes(module: ModuleType | None = None) -> None:
     require_skyrl("distinct_padding_routes", "SkyRL PR #1908")
     module = module or skyrl_module(REPLAY_UTILS)
     split = module._split_replay_indices
-    if _patched(split):
+    if _patched(split, "distinct_padding_routes"):
         return
 
     @functools.wraps(split)
@@ -222,6 +232,78 @@ def distinct_padding_routes(module: ModuleType | None = None) -> None:
         return split(rollout_expert_indices)
 
     module._split_replay_indices = _mark(_split_replay_indices, "distinct_padding_routes")
+
+
+def sequence_major_routes(module: ModuleType | None = None) -> None:
+    """SkyRL 0.3.0's `_split_replay_indices` flattens each layer's [batch, seq, top_k] routes
+    batch-major (row b * seq + s), but Megatron's router reads its [seq, batch, hidden] input
+    flattened sequence-major (row s * batch + b; `TopKRouter.routing`'s `view(-1, E)`). With one
+    sequence per micro-batch (SkyRL's packed path) the two agree; unpacked
+    (`remove_microbatch_padding: false`, which Beam's attention needs) with several, every token
+    replays another token's experts, shapes unchanged and no error. Patched: each layer's routes
+    come out sequence-major, as `beam_rl.megatron.replay.to_router_order` (which beam-rl's own
+    trainer uses) lays them out. No upstream fix known."""
+    require_skyrl("sequence_major_routes", "no upstream fix")
+    module = module or skyrl_module(REPLAY_UTILS)
+    split = module._split_replay_indices
+    if _patched(split, "sequence_major_routes"):
+        return
+
+    @functools.wraps(split)
+    def _split_replay_indices(rollout_expert_indices):
+        per_layer = split(rollout_expert_indices)
+        if per_layer is None:
+            return None
+        batch, seq = rollout_expert_indices.shape[:2]
+        return [x.view(batch, seq, -1).transpose(0, 1).reshape(batch * seq, -1) for x in per_layer]
+
+    module._split_replay_indices = _mark(_split_replay_indices, "sequence_major_routes")
+
+
+# -- routes through dynamic sampling --------------------------------------------------------------------
+def keep_routes_through_filter(module: ModuleType | None = None) -> None:
+    """SkyRL 0.3.0's `filter_generator_output` (dynamic sampling `type: filter`, and the trim to
+    the batch size after it) rebuilds the rollout without `rollout_expert_indices`: every step that
+    dynamic sampling touched trained with the routers choosing their own experts, R3 silently off.
+    Patched: the kept trajectories' routes go along with them. No upstream fix known."""
+    require_skyrl("keep_routes_through_filter", "no upstream fix")
+    module = module or skyrl_module(TRAINER_UTILS)
+    fn = module.filter_generator_output
+    if _patched(fn):
+        return
+
+    @functools.wraps(fn)
+    def filter_generator_output(output, kept_indices):
+        filtered = fn(output, kept_indices)
+        routes = output.get("rollout_expert_indices")
+        filtered["rollout_expert_indices"] = None if routes is None else [routes[i] for i in kept_indices]
+        return filtered
+
+    module.filter_generator_output = _mark(filter_generator_output, "keep_routes_through_filter")
+
+
+# -- zero reward without a stop, batched generation --------------------------------------------------------
+def zero_reward_on_non_stop_batched(module: ModuleType | None = None) -> None:
+    """SkyRL 0.3.0 honours `generator.zero_reward_on_non_stop` only in its agent loop:
+    `SkyRLGymGenerator.generate_batched` (`generator.batched: true`, Beam's single-turn recipes)
+    never applies it, so a response cut at `max_generate_length` keeps the reward of its text.
+    Patched: that method's rewards go through SkyRL's own `_zero_reward_if_not_stop` when the
+    setting is on, as the agent loop's do. No upstream fix known."""
+    require_skyrl("zero_reward_on_non_stop_batched", "no upstream fix")
+    module = module or skyrl_module(GYM_GENERATOR)
+    cls = module.SkyRLGymGenerator
+    fn = cls.generate_batched
+    if _patched(fn):
+        return
+
+    @functools.wraps(fn)
+    async def generate_batched(self, *args, **kwargs):
+        out = await fn(self, *args, **kwargs)
+        if self.generator_cfg.zero_reward_on_non_stop and out.get("stop_reasons") is not None:
+            out["rewards"] = self._zero_reward_if_not_stop(out["rewards"], out["stop_reasons"])
+        return out
+
+    cls.generate_batched = _mark(generate_batched, "zero_reward_on_non_stop_batched")
 
 
 # -- d. FP32 routers through weight sync ------------------------------------------------------------
@@ -370,6 +452,9 @@ PATCHES = {
     "load_weights_via_update_target": "SkyRL PR #1854",
     "clear_replay_per_schedule": "SkyRL PR #1908",
     "distinct_padding_routes": "SkyRL PR #1908",
+    "sequence_major_routes": "no upstream fix",
+    "keep_routes_through_filter": "no upstream fix",
+    "zero_reward_on_non_stop_batched": "no upstream fix",
     "keep_fp32_routers": "no upstream fix",
     "router_pd_flag": "no upstream fix",
 }
@@ -384,6 +469,9 @@ def apply_all() -> None:
     after_import(WORKER_WRAP, load_weights_via_update_target)
     after_import(MODEL_WRAPPER, clear_replay_per_schedule)
     after_import(REPLAY_UTILS, distinct_padding_routes)
+    after_import(REPLAY_UTILS, sequence_major_routes)
+    after_import(TRAINER_UTILS, keep_routes_through_filter)
+    after_import(GYM_GENERATOR, zero_reward_on_non_stop_batched)
     after_import(MEGATRON_WORKER, _apply_fp32_extractor)
     after_import(CUDA_IPC, _apply_fp32_ipc_sender)
     after_import(ROUTER, router_pd_flag)

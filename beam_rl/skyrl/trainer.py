@@ -2,8 +2,8 @@
 
 `RayPPOTrainer.generate` produces the training rollouts only (evaluation calls the generator
 directly), and dynamic sampling runs on its output; overriding it puts the soft overlong
-penalty (`beam_rl.skyrl.shaping`) exactly where beam-rl's own loop adds it. Everything else is
-SkyRL's trainer unchanged. Every payload SkyRL's tracker logs (training steps and evaluations) is
+penalty (`beam_rl.skyrl.shaping`) exactly where beam-rl's own loop adds it, and a batch without the
+routes R3 replays is refused. Everything else is SkyRL's trainer unchanged. Every payload SkyRL's tracker logs (training steps and evaluations) is
 also appended to `trainer.log_path/metrics.jsonl`, one JSON object per call with its `step`,
 whatever `trainer.logger` is. Classes are built on first use (importing SkyRL's trainer imports
 Ray, vLLM client code and the training backends).
@@ -64,6 +64,18 @@ def trainer_class():
                                                          self.cfg.generator.sampling_params.max_generate_length,
                                                          a.overlong_cache_length, a.overlong_penalty_factor)
             return out
+
+        def convert_to_training_input(self, generator_output, uids):
+            # R3 on and a batch without routes would train with the routers choosing their own
+            # experts, silently: refuse it (SkyRL 0.3.0's dynamic-sampling filter dropped them
+            # before beam_rl.skyrl.patches.keep_routes_through_filter).
+            replay = getattr(self.cfg.trainer.policy.megatron_config, "moe_enable_routing_replay", False)
+            if replay and generator_output.get("rollout_expert_indices") is None:
+                raise RuntimeError(
+                    "trainer.policy.megatron_config.moe_enable_routing_replay is true but the training batch carries "
+                    "no rollout_expert_indices: set generator.inference_engine.enable_return_routed_experts=true, "
+                    "and check that beam_rl.skyrl.patches were applied in this process (beam_rl.skyrl.worker_setup)")
+            return super().convert_to_training_input(generator_output, uids)
 
     return BeamDAPOTrainer
 
