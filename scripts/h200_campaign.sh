@@ -31,6 +31,7 @@
 #                  `beam-rl dapo` runs on that recipe) + SkyRL data and tokenizer (python -m beam_rl.skyrl.data)
 #   skyrl_bf16     beam-rl launch recipes/skyrl/dapo-bf16.yaml from $WORK/mini-warm, $SKYRL_STEPS steps (8);
 #   skyrl_lora     ... dapo-lora.yaml; SkyRL's per-step metrics in $OUT/skyrl_<mode>/metrics.jsonl
+#                  (SKYRL_ARGS: more key=value overrides, e.g. "trainer.eval_before_train=false")
 #                  (the SkyRL stages need the SkyRL kits installed and run after `warm`)
 #   math_warm      beam-rl warm-start --recipe recipes/math/warm-mini-h200.yaml -> $WORK/ckpt/math-mini-warm
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
@@ -70,7 +71,7 @@ stage_cmd() {
     rollout_check) echo "python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --json $OUT/rollout_check.json" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
     warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-warm --overwrite && python3 -m beam_rl.skyrl.data --recipe $REPO/recipes/mini-h200.yaml --out $WORK/skyrl-data --tokenizer-into $WORK/mini-warm" ;;
-    skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports; rc=\$?; ray stop --force >/dev/null 2>&1; exit \$rc" ;;
+    skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports ${SKYRL_ARGS:-}; rc=\$?; ray stop --force >/dev/null 2>&1; exit \$rc" ;;
     math_warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/ckpt/math-mini-warm --overwrite" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; cp $r/metrics.jsonl $OUT/math-$m.jsonl; exit \$rc" ;;
