@@ -3,7 +3,9 @@ beam-tiny (CPU, gloo, real megatron-core and Megatron-Bridge).
 
 The bridge-built model must be beam-rl's: its config is `BeamModelProvider`'s, its loaded tensors
 are `convert.hf_to_megatron`'s, its HF export is the checkpoint, and its log-probs (with and
-without R3 replay) are `BeamModelProvider`'s, all bit for bit. TP2 with sequence parallelism
+without R3 replay) are `BeamModelProvider`'s, all bit for bit (its logits stay split by vocabulary
+over TP, as SkyRL's log-prob function takes them: gathered here, and SkyRL's function checked on the
+shards). TP2 with sequence parallelism
 (expert TP 1 and 2) and EP2 run in one 2-process spawn, comparing each rank with the same-world
 `BeamModelProvider` model.
 
@@ -25,6 +27,7 @@ if importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("megatron-bridge is not installed: pip install --no-deps megatron-bridge==0.3.1", allow_module_level=True)
 
 from beam_rl.megatron import replay as r3  # noqa: E402
+from beam_rl.skyrl._compat import skyrl_module  # noqa: E402
 from beam_rl.megatron.bridge import register_bridge  # noqa: E402
 from beam_rl.megatron.convert import Layout, hf_to_megatron, load_hf_into_model  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
@@ -274,13 +277,46 @@ def _worker(rank, world, port, ckpt_path, inputs_path, out_dir):
         ours = BeamModelProvider(config, mode="bf16", **spec["beam"]).provide_wrapped().eval()
         load_hf_into_model(ours, hf, config, layout)
         lps = {}
+        whole = VocabGathered(model[0].eval())
         for replay in (False, True):
             routed = data["routed"] if replay else None
-            lps[replay] = (logprobs(model[0].eval(), config, data["ids"], routed, rows),
+            lps[replay] = (logprobs(whole, config, data["ids"], routed, rows),
                            logprobs(ours, config, data["ids"], routed, rows))
+        skyrl_lp = skyrl_logprobs(model[0].eval(), data["ids"][rows], LENGTHS[rows])
         result[name] = dict(load=mismatches(hf_to_megatron(hf, config, layout), got), export=mismatches(hf, exported),
-                            logprobs=lps)
+                            logprobs=lps, skyrl_logprobs=skyrl_lp)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+class VocabGathered(torch.nn.Module):
+    """The bridge model with its vocabulary shards gathered (it keeps them apart for SkyRL)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        return gather_from_tensor_model_parallel_region(self.model(*args, **kwargs))
+
+
+def skyrl_logprobs(model, ids, lengths):
+    """SkyRL 0.3.0's log-probs of the bridge model (no replay): its `from_parallel_logits_to_logprobs`
+    over this rank's vocabulary shard and the TP group, as SkyRL's Megatron worker computes them."""
+    from megatron.core import parallel_state as ps
+
+    mu = skyrl_module("skyrl.backends.skyrl_train.distributed.megatron.model_utils")
+    B, T = ids.shape
+    positions = torch.arange(T).expand(B, T)
+    padding = positions >= lengths[:, None]
+    r3.clear_replay(model)
+    with torch.no_grad():
+        shard = model(ids, positions, None, padding_mask=padding if bool(padding.any()) else None)
+    v = shard.shape[-1]
+    rank = ps.get_tensor_model_parallel_rank()
+    return mu.from_parallel_logits_to_logprobs(shard, ids, rank * v, (rank + 1) * v, ps.get_tensor_model_parallel_group(),
+                                               inference_only=True)
 
 
 def _free_port():
@@ -312,3 +348,8 @@ def test_parallel_bridge_is_beam_provider(parallel, world):
         for replay, ((lp, mask), (lp_ours, mask_ours)) in res["logprobs"].items():
             assert torch.equal(mask, mask_ours)
             assert torch.equal(lp, lp_ours), f"{world} rank {rank} replay={replay}: max|diff| {(lp - lp_ours).abs().max().item():.3e}"
+        # SkyRL's vocabulary-parallel log-softmax of the shards against the whole-row FP32 one
+        lp_ours, mask = res["logprobs"][False][1]
+        skyrl_lp = res["skyrl_logprobs"]
+        assert skyrl_lp.shape == lp_ours.shape and torch.allclose(skyrl_lp[mask], lp_ours[mask], atol=1e-5, rtol=0), \
+            f"{world} rank {rank}: SkyRL's log-probs max|diff| {(skyrl_lp - lp_ours)[mask].abs().max().item():.3e}"

@@ -141,7 +141,7 @@ class BeamBridgeProvider(GPTModelProvider):
     def provide(self, pre_process=None, post_process=None, vp_stage=None) -> BeamGPTModel:
         """`BeamGPTModel` of this pipeline stage with this (finalised) provider as its config."""
         self.check_beam()
-        return self.beam_provider().build_model(self, pre_process, post_process, vp_stage)
+        return self.beam_provider().build_model(self, pre_process, post_process, vp_stage, parallel_output=self.parallel_output)
 
 
 # -- mappings from MAPPINGS ----------------------------------------------------------------------
@@ -235,7 +235,10 @@ class BeamBridge(MegatronModelBridge):
             seq_length=config.max_position_embeddings,
             # Megatron-Bridge reads tying from the config: GPTModelProvider's default (True) would drop lm_head.
             share_embeddings_and_output_weights=False,
-            parallel_output=False,
+            # SkyRL computes log-probs from this rank's vocabulary shard over the TP group
+            # (`from_parallel_logits_to_logprobs`): whole rows on every rank would count each
+            # token TP times.
+            parallel_output=True,
             position_embedding_type="none",
             mtp_num_layers=None,
         )

@@ -142,7 +142,8 @@ class BeamGPTModel(GPTModel):
         return tuple(out)
 
     def forward(self, input_ids, position_ids, attention_mask=None, *args, labels=None, **kwargs):
-        """input_ids, position_ids [b, s] -> FP32 logits [b, s, V] (soft-capped) on the last stage."""
+        """input_ids, position_ids [b, s] -> FP32 logits [b, s, V] (soft-capped; [b, s, V / TP] with
+        parallel_output) on the last stage."""
         if labels is not None:
             raise ValueError("BeamGPTModel returns logits; compute losses with beam_rl.megatron.logprobs")
         out = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)

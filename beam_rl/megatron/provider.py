@@ -155,11 +155,12 @@ class BeamModelProvider:
         return self.build_model(self.transformer_config(), pre_process, post_process, vp_stage)
 
     def build_model(self, config: TransformerConfig, pre_process: bool | None = None, post_process: bool | None = None,
-                    vp_stage: int | None = None) -> BeamGPTModel:
+                    vp_stage: int | None = None, parallel_output: bool = False) -> BeamGPTModel:
         """`BeamGPTModel` of this pipeline stage on `config`: `transformer_config()`, or a finalised config
         holding the same Beam fields plus a trainer's parallel / MoE / recompute settings (the
         Megatron-Bridge provider). Beam itself, the attention dtype and the mode (linear classes,
-        params dtype) come from this provider."""
+        params dtype) come from this provider. `parallel_output`: logits split by vocabulary over TP
+        (SkyRL's vocabulary-parallel log-probs) instead of whole rows (`beam_rl.megatron.logprobs`)."""
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
@@ -196,7 +197,7 @@ class BeamModelProvider:
             post_process=post_process,
             share_embeddings_and_output_weights=False,  # Beam's LM head is untied
             position_embedding_type="none",  # Beam computes its own FP32 RoPE / SSMax per layer
-            parallel_output=False,  # gather vocab shards: log-probs need whole rows
+            parallel_output=parallel_output,
             vp_stage=vp_stage,
             final_logit_softcapping=self.beam.final_logit_softcapping,
         )
