@@ -175,6 +175,9 @@ def test_beam_settings_named(files, capsys):
     err = one_line_error(capsys, BF16, "--dry-run", *files["data"], "trainer.flash_attn=true")
     assert err.endswith("trainer.flash_attn: true: Beam's attention (sliding window, SSMax, output gate) is beam-rl's module "
                         "without a FlashAttention path; set false")
+    err = one_line_error(capsys, BF16, "--dry-run", *files["data"], "trainer.fused_lm_head_logprob=true")
+    assert err.endswith("trainer.fused_lm_head_logprob: true: SkyRL's fused LM-head log-probs skip the model's output layer, "
+                        "where Beam computes its FP32 logits and soft-caps them; set false")
     err = one_line_error(capsys, BF16, "--dry-run", *files["data"], "trainer.policy.megatron_config.tensor_model_parallel_size=two")
     assert "tensor_model_parallel_size='two': expected int" in err
     err = one_line_error(capsys, BF16, "--dry-run", *files["data"], "trainer.policy.megatron_config.moe_token_dispatcher_type=allgather")

@@ -82,6 +82,9 @@ def check_beam_settings(cfg) -> None:
     if t.remove_microbatch_padding:
         fail("trainer.remove_microbatch_padding", "true: SkyRL's sample packing hands the model packed (THD) sequences, "
              "which Beam's attention does not take; set false")
+    if getattr(t, "fused_lm_head_logprob", False):
+        fail("trainer.fused_lm_head_logprob", "true: SkyRL's fused LM-head log-probs skip the model's output layer, where "
+             "Beam computes its FP32 logits and soft-caps them; set false")
     if mc.context_parallel_size != 1:
         fail(f"{MC}.context_parallel_size", f"{mc.context_parallel_size}: Beam's attention has no context parallelism; set 1")
     if mc.moe_token_dispatcher_type == "allgather":
