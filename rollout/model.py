@@ -83,13 +83,7 @@ class BeamModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = ops.NormWeight(config.hidden_size)
-        # vLLM's level-2 sleep (SkyRL and verl sleep colocated engines so) discards all device memory
-        # allocated while the model was built, except parameters (the next weight sync reloads them)
-        # and buffers (saved to the host, copied back in place on wake-up). The shared positional
-        # tables are neither loaded nor synced, so they are buffers, non-persistent: they survive
-        # the sleep, and no checkpoint holds them.
-        for kind, table in ops.shared_tables(layer.self_attn.positional for layer in self.layers).items():
-            self.register_buffer(f"{kind}_table", table, persistent=False)
+        self.positional_tables = ops.PositionalTables(layer.self_attn.positional for layer in self.layers)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

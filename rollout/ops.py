@@ -36,8 +36,8 @@ class NormWeight(nn.Module):
 
 class PositionTable:
     """A shared FP32 table indexed by position (RoPE cos|sin, or SSMax factors), derived from the
-    config, never loaded or reloaded (BeamModel registers each as a non-persistent buffer, which
-    vLLM's level-2 sleep saves and restores). Built at model construction
+    config, never loaded or reloaded (held as a buffer by `PositionalTables`, which vLLM's level-2
+    sleep saves and restores). Built at model construction
     on the device vLLM builds the model on (so torch.compile never traces its creation); one copy
     per device, shared by all layers."""
 
@@ -60,13 +60,24 @@ class PositionTable:
         return _TABLES[key]
 
 
-def shared_tables(tables) -> dict[str, torch.Tensor]:
-    """The distinct default-device tensors of these PositionTables, by kind ("rope", "ssmax")."""
-    found: dict[str, torch.Tensor] = {}
-    for t in tables:
-        if t.default is not None and found.setdefault(t.key[0], t.default) is not t.default:
-            raise ValueError(f"two {t.key[0]} tables on one device; PositionTable shares one per config and device")
-    return found
+class PositionalTables(nn.Module):
+    """The model's distinct default-device PositionTable tensors as non-persistent buffers, by kind
+    (`rope`, `ssmax`). vLLM's level-2 sleep (SkyRL and verl sleep colocated engines so) discards all
+    device memory allocated while the model was built except parameters (the next weight sync
+    reloads them) and buffers (saved to the host, copied back in place on wake-up); the tables are
+    neither loaded nor synced, so they live here. No checkpoint holds them. vLLM's layerwise
+    in-place reload puts them back as it loads nothing into them, logging "PositionalTables: Failed
+    to load weights" (as for its own rotary-embedding caches)."""
+
+    def __init__(self, tables):
+        super().__init__()
+        for t in tables:
+            kind = t.key[0]
+            if t.default is None:
+                continue
+            if kind in self._buffers and self._buffers[kind] is not t.default:
+                raise ValueError(f"two {kind} tables on one device; PositionTable shares one per config and device")
+            self.register_buffer(kind, t.default, persistent=False)
 
 
 def rope_tables(config: BeamConfig) -> PositionTable:

@@ -265,7 +265,7 @@ def test_level_2_sleep_then_weight_sync_restores_the_model(tiny_vllm, tiny_confi
     # rows before they are read, so the wipe may take it.
     held = tiny_vllm.apply_model(held_outside_state)[0]
     assert [n for n in held if not n.endswith("recorder.buffer")] == []
-    assert {"model.rope_table", "model.ssmax_table"} <= set(tiny_vllm.apply_model(wipe_keeping_buffers)[0])
+    assert {"model.positional_tables.rope", "model.positional_tables.ssmax"} <= set(tiny_vllm.apply_model(wipe_keeping_buffers)[0])
     reload_weights(tiny_vllm, tiny_checkpoint)  # the weight sync that follows every wake-up
     ps = prompts(seed=4)
     outs, routed = greedy(tiny_vllm, ps, max_tokens=16)
