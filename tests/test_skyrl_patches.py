@@ -302,7 +302,7 @@ def test_sequence_major_routes_replays_each_token_its_own_experts(replay):
     assert all(torch.equal(a, b) for a, b in zip(split(x), to_router_order(x)))
 
 
-def test_keep_routes_through_filter_in_dynamic_sampling():
+def test_keep_routes_through_filter_in_dynamic_sampling(monkeypatch):
     """SkyRL's own dynamic sampling (`filter`): the kept groups keep their routes, aligned with
     their responses; unpatched they are dropped."""
     tu = skyrl_module(P.TRAINER_UTILS)
@@ -312,20 +312,16 @@ def test_keep_routes_through_filter_in_dynamic_sampling():
            "rollout_expert_indices": routes}
     uids = ["a", "a", "b", "b"]  # group a: all 1 (dropped), group b: 0 / 1 (kept)
     cfg = {"type": "filter", "max_sample_batches": 4, "train_batch_size": 1, "n_samples_per_prompt": 2}
-    original = P.original(tu.filter_generator_output)
-    try:
-        tu.filter_generator_output = original
-        kept, _, more, _ = tu.handle_dynamic_sampling(dict(out), uids, cfg, {"sample_batch_count": 1})
-        assert not more and "rollout_expert_indices" not in kept  # SkyRL 0.3.0: the routes are gone
-        P.keep_routes_through_filter()
-        kept, kept_uids, more, _ = tu.handle_dynamic_sampling(dict(out), uids, cfg, {"sample_batch_count": 1})
-        assert not more and kept_uids == ["b", "b"] and kept["response_ids"] == [[12], [13]]
-        assert kept["rollout_expert_indices"] == [routes[2], routes[3]]
-    finally:
-        tu.filter_generator_output = P.original(tu.filter_generator_output)
+    fresh(monkeypatch, tu, "filter_generator_output")
+    kept, _, more, _ = tu.handle_dynamic_sampling(dict(out), uids, cfg, {"sample_batch_count": 1})
+    assert not more and "rollout_expert_indices" not in kept  # SkyRL 0.3.0: the routes are gone
+    P.keep_routes_through_filter()
+    kept, kept_uids, more, _ = tu.handle_dynamic_sampling(dict(out), uids, cfg, {"sample_batch_count": 1})
+    assert not more and kept_uids == ["b", "b"] and kept["response_ids"] == [[12], [13]]
+    assert kept["rollout_expert_indices"] == [routes[2], routes[3]]
 
 
-def test_zero_reward_on_non_stop_batched_through_skyrls_generator(tmp_path):
+def test_zero_reward_on_non_stop_batched_through_skyrls_generator(monkeypatch, tmp_path):
     """SkyRL's batched generator with the `beam_arithmetic` environment: a right answer cut at the
     length cap (stop reason "length") scores 0 with `zero_reward_on_non_stop`, 1 unpatched."""
     from transformers import AutoTokenizer
@@ -354,14 +350,10 @@ def test_zero_reward_on_non_stop_batched_through_skyrls_generator(tmp_path):
         g = cls(gen_cfg, config.SkyRLGymConfig(), Client(), tok)
         return asyncio.run(g.generate_batched(prompts, ["beam_arithmetic"] * 2, [dict(e) for e in extras], max_tokens=8))["rewards"]
 
-    original = P.original(cls.generate_batched)
-    try:
-        cls.generate_batched = original
-        assert rewards() == [1.0, 1.0]  # SkyRL 0.3.0: the cut response keeps its reward
-        P.zero_reward_on_non_stop_batched()
-        assert rewards() == [1.0, 0.0]
-    finally:
-        cls.generate_batched = original
+    fresh(monkeypatch, cls, "generate_batched")
+    assert rewards() == [1.0, 1.0]  # SkyRL 0.3.0: the cut response keeps its reward
+    P.zero_reward_on_non_stop_batched()
+    assert rewards() == [1.0, 0.0]
 
 
 # -- d. FP32 routers --------------------------------------------------------------------------------------------
