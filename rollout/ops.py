@@ -73,8 +73,6 @@ class PositionalTables(nn.Module):
         super().__init__()
         for t in tables:
             kind = t.key[0]
-            if t.default is None:
-                continue
             if kind in self._buffers and self._buffers[kind] is not t.default:
                 raise ValueError(f"two {kind} tables on one device; PositionTable shares one per config and device")
             self.register_buffer(kind, t.default, persistent=False)

@@ -3,10 +3,10 @@
 `RayPPOTrainer.generate` produces the training rollouts only (evaluation calls the generator
 directly), and dynamic sampling runs on its output; overriding it puts the soft overlong
 penalty (`beam_rl.skyrl.shaping`) exactly where beam-rl's own loop adds it, and a batch without the
-routes R3 replays is refused. Everything else is SkyRL's trainer unchanged. Every payload SkyRL's tracker logs (training steps and evaluations) is
-also appended to `trainer.log_path/metrics.jsonl`, one JSON object per call with its `step`,
-whatever `trainer.logger` is. Classes are built on first use (importing SkyRL's trainer imports
-Ray, vLLM client code and the training backends).
+routes R3 replays is refused. Everything else is SkyRL's trainer unchanged. Every payload SkyRL's
+tracker logs (training steps and evaluations) is also appended to `trainer.log_path/metrics.jsonl`,
+one JSON object per call with its `step`, whatever `trainer.logger` is. Classes are built on first
+use (importing SkyRL's trainer imports Ray, vLLM client code and the training backends).
 """
 
 from __future__ import annotations
