@@ -252,6 +252,65 @@ def test_refuses_what_beam_cannot_honour(bridge, field, value, match):
         provider.check_beam()
 
 
+def test_skyrl_lora_wraps_the_recipe_targets_and_merges_into_the_export(bridge, ckpt):
+    """recipes/skyrl/dapo-lora.yaml through SkyRL's own `configure_lora` and pre-wrap hook: Megatron-
+    Bridge's LoRA wraps exactly the recipe's targets in Beam's layers (without Transformer Engine),
+    only the adapters train, and the synced export is W + (alpha / rank) * B @ A for exactly the
+    targeted weights (the base and FP32 routers untouched)."""
+    import types
+    from pathlib import Path
+
+    from beam_rl.skyrl.config import load_config
+
+    cfg = load_config(Path(__file__).parents[1] / "recipes/skyrl/dapo-lora.yaml").trainer
+    worker = types.SimpleNamespace(cfg=cfg)
+    skyrl_module("skyrl.backends.skyrl_train.workers.megatron.megatron_worker").MegatronWorker.configure_lora(
+        worker, cfg.policy.model.lora, cfg.policy.megatron_config.lora_config.lora_type)
+    lora = worker.lora_cls
+    provider = skyrl_settings(bridge.to_megatron_provider())
+
+    def hook(model):  # SkyRL's make_megatron_module hook
+        wrapped = lora(model, training=True)
+        lora.set_params_to_save(wrapped)
+        return wrapped
+
+    provider.register_pre_wrap_hook(hook)
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True, bf16=True)
+    inner = model[0].module
+    targets = {t.split(".")[-1] for t in cfg.policy.model.lora.target_modules}
+    wrapped = {n for n, m in inner.named_modules() if type(m).__name__ == "LoRALinear"}
+    assert wrapped and {n.split(".")[-1] for n in wrapped} == targets
+    assert not any(".experts." in n for n in wrapped)
+    trainable = [n for n, p in inner.named_parameters() if p.requires_grad]
+    assert trainable and all(".adapter." in n for n in trainable)
+
+    config, hf = ckpt
+    ids = inputs(config)
+    lp, mask = sequence_logprobs(model[0], ids, config=config, lengths=LENGTHS, prompt_lengths=PROMPTS, routed_experts=None)
+    (lp * mask).sum().backward()
+    r3.clear_replay(model[0])
+    # B starts at zero, so B's gradient is A's projection of the input (non-zero) and A's is zero
+    grads = {n: p.grad for n, p in inner.named_parameters() if p.requires_grad}
+    assert all(g is not None for g in grads.values())
+    assert all(bool(g.abs().sum() > 0) for n, g in grads.items() if ".linear_out." in n)
+
+    assert not mismatches(hf, dict(bridge.export_hf_weights(model, cpu=True, show_progress=False)))  # B = 0
+    with torch.no_grad():
+        for n, p in inner.named_parameters():
+            if ".adapter.linear_out." in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(p.dtype) * 0.01)
+    exported = dict(bridge.export_hf_weights(model, cpu=True, show_progress=False))
+    changed = {k for k in hf if not exact(hf[k], exported[k])}
+    assert set(exported) == set(hf) and changed
+    assert all(k.rsplit(".", 2)[-2] in {"q_proj", "k_proj", "v_proj", "gate_proj", "o_proj", "up_proj", "down_proj"}
+               and ".experts." not in k for k in changed)
+    assert exported["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    q = inner.decoder.layers[0].self_attention.linear_q.adapter
+    scale = cfg.policy.model.lora.alpha / cfg.policy.model.lora.rank
+    want = hf["model.layers.0.self_attn.q_proj.weight"].float() + scale * (q.linear_out.weight.float() @ q.linear_in.weight.float())
+    torch.testing.assert_close(exported["model.layers.0.self_attn.q_proj.weight"].float(), want, rtol=0, atol=2e-2)
+
+
 # -- TP2 with sequence parallelism (expert TP 1 and 2), and EP2 (2 processes) --------------------
 def _worker(rank, world, port, ckpt_path, inputs_path, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

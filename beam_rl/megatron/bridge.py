@@ -14,6 +14,12 @@ stub TE that only Megatron-Bridge's own modules can see: every other module impo
 keeps `HAVE_TE = False` and its local paths, and the stub is gone from `sys.modules` afterwards.
 Stub classes raise when instantiated: Megatron-Bridge's TE-only paths (TE layer specs, TE LoRA
 layers) fail loudly instead of running without TE. With TE installed, nothing is stubbed.
+
+Without TE, megatron-core's `extensions.transformer_engine` still defines its `TE*` names (as
+`MagicMock` objects: its classes subclass a mocked `te`), so Megatron-Bridge's PEFT modules,
+which probe those names, believe TE is there; their `isinstance(module, TE*)` checks then raise
+`TypeError` as LoRA wraps the first linear layer. `import_megatron_bridge()` sets those flags to
+what is installed (`_PEFT_TE_FLAGS`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ MEGATRON_BRIDGE_VERSION = "0.3.1"
 # What SkyRL 0.3.0's Megatron worker imports from Megatron-Bridge at module level; all of it must
 # be imported while the stub is visible.
 _MODULES = ("megatron.bridge", "megatron.bridge.peft.lora", "megatron.bridge.peft.canonical_lora")
+# Megatron-Bridge's "is TE there" flags that megatron-core's mocked TE classes set true.
+_PEFT_TE_FLAGS = {
+    "megatron.bridge.peft.utils": ("HAVE_TE",),
+    "megatron.bridge.peft.module_matcher": ("HAVE_TE", "HAVE_TE_COL_LINEAR", "HAVE_TE_LN_COL_LINEAR", "HAVE_TE_ROW_LINEAR"),
+}
 
 
 def _is_te(name: str) -> bool:
@@ -159,6 +170,11 @@ def import_megatron_bridge() -> types.ModuleType:
     finally:
         if finder is not None:
             finder.remove()
+    if importlib.util.find_spec(_TE) is None:
+        for name, flags in _PEFT_TE_FLAGS.items():
+            module = importlib.import_module(name)
+            for flag in flags:
+                setattr(module, flag, False)
     return sys.modules["megatron.bridge"]
 
 
