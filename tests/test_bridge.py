@@ -311,6 +311,61 @@ def test_skyrl_lora_wraps_the_recipe_targets_and_merges_into_the_export(bridge, 
     torch.testing.assert_close(exported["model.layers.0.self_attn.q_proj.weight"].float(), want, rtol=0, atol=2e-2)
 
 
+def test_distributed_optimizer_index_finds_each_parameters_own_shard(bridge, monkeypatch):
+    """Beam's FP32 routers beside BF16 weights in megatron-core's distributed optimizer, built the
+    way SkyRL's Megatron worker builds it (DDP with the distributed optimizer, megatron-core's own
+    param groups and range maps): the (group, position) index every checkpoint format reads finds
+    each parameter's own shard in the inner optimizer. megatron-core 0.16.1's own index points most
+    parameters at another one (the H200 run's final checkpoint stopped there)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups_and_buffers
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from beam_rl.megatron.optimizer import order_groups_like_the_optimizer
+
+    inner = build_from_bridge(bridge)[0]
+    model = DistributedDataParallel(config=inner.config, module=inner,
+                                    ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    assert {b.param_dtype for b in model.buffers} == {torch.bfloat16, torch.float32}
+    config = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True)
+    # CPU stand-in for a CUDA-only call: the optimizer sorts parameters by their torch.cuda type name
+    names = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+    cpu_type = torch.Tensor.type
+    monkeypatch.setattr(torch.nn.Parameter, "type", lambda p, *a, **k: cpu_type(p, *a, **k) if a or k else names[p.dtype],
+                        raising=False)
+
+    def wrong_shards(build_group_ranges):
+        groups, buffers = _get_param_groups_and_buffers([model], 0, config, None, lambda g: True, "buffers")
+        gbuf_ranges = [DistributedOptimizer._build_gbuf_range_map(b) for bs in buffers.values() for b in bs]
+        index, group_ranges = build_group_ranges(groups, gbuf_ranges)
+        DistributedOptimizer._build_model_and_main_param_groups(
+            gbuf_ranges, DistributedOptimizer._build_model_param_gbuf_map(gbuf_ranges), group_ranges, config)
+        assert set(index) == set(model.parameters())
+        wrong = []
+        for p in model.parameters():
+            group, order = index[p]
+            shard = group_ranges[group]["orig_group"]["params"][order]  # what the inner optimizer steps
+            if shard.shape != (p.numel(),) or not torch.equal(shard.float(), p.detach().float().view(-1)):
+                wrong.append(p)
+        return wrong
+
+    order_groups_like_the_optimizer()  # register_bridge applied it: a second call changes nothing
+    patched = DistributedOptimizer._build_optimizer_group_ranges
+    unpatched = patched.__func__.__wrapped__.__get__(DistributedOptimizer)
+    assert len(wrong_shards(unpatched)) > len(list(model.parameters())) // 2
+    assert wrong_shards(patched) == []
+
+
+def test_optimizer_fix_refuses_another_megatron_core(monkeypatch):
+    import importlib.metadata
+
+    from beam_rl.megatron.optimizer import OptimizerFixRefused, order_groups_like_the_optimizer
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.17.0")
+    with pytest.raises(OptimizerFixRefused, match=r"megatron-core 0\.16\.1, found 0\.17\.0.*Megatron-LM PR #5835"):
+        order_groups_like_the_optimizer()
+
+
 # -- TP2 with sequence parallelism (expert TP 1 and 2), and EP2 (2 processes) --------------------
 def _worker(rank, world, port, ckpt_path, inputs_path, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

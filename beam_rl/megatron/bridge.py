@@ -180,10 +180,13 @@ def import_megatron_bridge() -> types.ModuleType:
 
 def register_bridge():
     """Import Megatron-Bridge (`import_megatron_bridge`), register beam-rl's `beam` config with
-    transformers' Auto classes and Beam's bridge with Megatron-Bridge; idempotent. Returns the
-    bridge class (`bridge_model.BeamBridge`)."""
+    transformers' Auto classes and Beam's bridge with Megatron-Bridge, and fix the checkpoint index
+    of megatron-core's distributed optimizer for Beam's mixed FP32 / BF16 parameters
+    (`beam_rl.megatron.optimizer`); idempotent. Returns the bridge class (`bridge_model.BeamBridge`)."""
     import_megatron_bridge()
     from beam_rl.megatron import bridge_model
+    from beam_rl.megatron.optimizer import order_groups_like_the_optimizer
 
     bridge_model.register()
+    order_groups_like_the_optimizer()  # Beam's FP32 routers in megatron-core's distributed optimizer
     return bridge_model.BeamBridge
