@@ -18,6 +18,8 @@
 # Stages:
 #   megatron       tests/gpu/test_megatron_gpu.py (parity under R3 per mode, a training step)
 #   kernels        tests/gpu/test_kernels_gpu.py
+#   bridge         tests/gpu/test_bridge_gpu.py (Beam through Megatron-Bridge: distributed-optimizer step and
+#                  SkyRL's checkpoint save / load; needs the SkyRL kits installed)
 #   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096, bf16 / lora / mxfp8-emulated
 #   bench_rollout  scripts/bench_rollout.py: fused / compiled / eager builds, CUDA graphs
 #   bench_kernels  scripts/bench_kernels.py (all kernels; BENCH_KERNELS_ARGS, e.g. "--tune --only boundary")
@@ -61,6 +63,7 @@ checkpoint() {  # one writer; other lanes wait for it
 stage_cmd() {
   case "$1" in
     megatron) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_megatron_gpu.py" ;;
+    bridge) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_bridge_gpu.py" ;;
     kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py ${KERNELS_ARGS:-}" ;;
     bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes bf16 lora mxfp8-emulated" ;;
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs ${BENCH_ROLLOUT_ARGS:-}" ;;
