@@ -343,7 +343,7 @@ def dapo_page() -> Page:
                           "sync s=sync_s:.1f", "step s=time_s:.1f", "mean |d| (R3)=mean_abs_logprob_diff:.2e",
                           "max |d|=max_abs_logprob_diff:.1e"),
               "Every step's metrics: [dapo_mini_h200.jsonl](../bench/dapo_mini_h200.jsonl)."),
-        *skyrl_tables(steps),
+        *skyrl_tables(run, steps),
         *record_tables("dapo_tiny_cpu.json")]),
             f"beam-mini, {len(steps)} steps: held-out avg@8 {held[0]['heldout_avg8']:.3f} -> "
             f"{held[-1]['heldout_avg8']:.3f}, R3 gap {gap} per step", where(run))
@@ -361,7 +361,7 @@ def skyrl_runs() -> dict[str, tuple[Rec, list[Rec]]]:
     return out
 
 
-def skyrl_tables(dapo_steps: list[Rec]) -> list[str]:
+def skyrl_tables(dapo_run_rec: Rec, dapo_steps: list[Rec]) -> list[str]:
     """The SkyRL runs (`beam-rl launch`), then their steps beside `beam-rl dapo`'s."""
     runs = skyrl_runs()
     gap, reward, held = "policy/rollout_train_logprobs_abs_diff_mean", "reward/avg_raw_reward", "eval/all/avg_score"
@@ -378,27 +378,30 @@ def skyrl_tables(dapo_steps: list[Rec]) -> list[str]:
             ("step s (after the first)", span([r["timing/step"] for r in steps[1:]], "{:.1f}")),
             ("weight sync s (after the first)", span([r["timing/sync_weights"] for r in steps[1:]], "{:.1f}")),
             ("end", run["end"])]))
+    (bf16_run, bf16), lora = runs["bf16"], {r["step"]: r for r in runs["lora"][1]}
     dapo = {r["step"]: r for r in dapo_steps}
-    rows = []
-    for i, r in enumerate(runs["bf16"][1]):
-        lora, ref = runs["lora"][1][i] if i < len(runs["lora"][1]) else {}, dapo.get(r["step"], {})
-        rows.append({**r, "dapo_reward": ref.get("reward_mean"), "dapo_gap": ref.get("mean_abs_logprob_diff"),
-                     "dapo_step_s": ref.get("time_s"), "lora_reward": lora.get(reward), "lora_gap": lora.get(gap)})
+    rows = [{**r, "dapo_reward": dapo.get(r["step"], {}).get("reward_mean"),
+             "dapo_gap": dapo.get(r["step"], {}).get("mean_abs_logprob_diff"),
+             "dapo_step_s": dapo.get(r["step"], {}).get("time_s"),
+             "lora_reward": lora.get(r["step"], {}).get(reward), "lora_gap": lora.get(r["step"], {}).get(gap)} for r in bf16]
+    last = bf16[-1]["step"]
     out.append(table("Per step: SkyRL (bf16, lora) beside `beam-rl dapo` (bf16), same recipe values and seed", rows,
                      cols("step", "dapo reward=dapo_reward:.3f", f"SkyRL bf16 reward={reward}:.3f",
                           "SkyRL lora reward=lora_reward:.3f", "dapo mean |d|=dapo_gap:.2e", f"SkyRL bf16 mean |d|={gap}:.2e",
                           "SkyRL lora mean |d|=lora_gap:.2e", "dapo step s=dapo_step_s:.1f",
                           "SkyRL bf16 step s=timing/step:.1f", "SkyRL bf16 sync s=timing/sync_weights:.1f"),
-                     "Rewards are means over the kept groups of the training batch in both loops. The loss, advantages, "
-                     "reward and dynamic-sampling rule are the same code; the runs differ in their warm start (the same "
-                     "recipe and seed, trained again: loss 1.16 against 1.116), in how the kept groups are drawn (`beam-rl "
-                     "dapo` trains on what up to 4 rounds kept, SkyRL samples until 64 groups are kept) and in the weight "
-                     "transport (a verified /dev/shm reload against SkyRL's CUDA IPC). The R3 gaps agree to within "
-                     "their step-to-step spread, and so do the rewards over the 8 steps (0.111 -> 0.142 against "
-                     "0.115 -> 0.146). LoRA (rank 8, only attention and dense MLPs adapted, learning rate 2e-4) moves "
-                     "the reward less in 8 steps. Every step's metrics: [skyrl_h200_bf16.jsonl](../bench/skyrl_h200_bf16.jsonl), "
+                     "Rewards are means over the kept groups of the training batch in both loops. The loss, advantages "
+                     "and reward are the same code (registered into SkyRL); the runs differ in their warm start (the "
+                     f"same recipe and seed, trained again: loss {dapo_run_rec['warm_start_loss_last']} against "
+                     f"{bf16_run['warm_start_loss_last']}), in dynamic sampling (`beam-rl dapo` trains on the groups "
+                     "that up to 4 rounds kept, SkyRL's filter samples whole batches until 64 groups are kept) and in the "
+                     "weight transport (a verified /dev/shm reload against SkyRL's CUDA IPC). Over the first "
+                     f"{last} steps the reward went {dapo[1]['reward_mean']:.3f} -> {dapo[last]['reward_mean']:.3f} in "
+                     f"`beam-rl dapo` and {bf16[0][reward]:.3f} -> {bf16[-1][reward]:.3f} through SkyRL; the R3 gaps "
+                     "lie in the same band. LoRA (rank 8 on attention and dense MLPs, learning rate 2e-4) moves the reward "
+                     "less in these steps. Every step's metrics: [skyrl_h200_bf16.jsonl](../bench/skyrl_h200_bf16.jsonl), "
                      "[skyrl_h200_lora.jsonl](../bench/skyrl_h200_lora.jsonl).",
-                     sources=[runs["bf16"][0], runs["lora"][0], *dapo_steps[:1]]))
+                     sources=[bf16_run, runs["lora"][0], dapo_run_rec]))
     return out
 
 
