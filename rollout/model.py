@@ -23,7 +23,7 @@ from vllm.sequence import IntermediateTensors
 
 from beam_rl.model import numerics
 from beam_rl.model.config import BeamConfig
-from beam_rl.model.weights import tensor_checksum
+from beam_rl.model.weights import tensor_checksums
 from beam_rl.rollout import ops
 from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
@@ -42,6 +42,9 @@ HF_TO_VLLM = WeightsMapper(
     }
 )
 
+
+CHECKSUM_BATCH_BYTES = 1 << 28
+"""Received bytes fingerprinted per batch during a weight update (see `BeamForCausalLM._checksummed`)."""
 
 class BeamDecoderLayer(nn.Module):
     def __init__(self, config: BeamConfig, layer_idx: int, cache_config, quant_config, recorder, prefix: str):
@@ -182,7 +185,16 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
         return loaded
 
     def _checksummed(self, weights):
-        """Record `tensor_checksum` of every tensor as received (HF names), for sync verification."""
+        """Record the `tensor_checksums` fingerprint of every tensor as received (HF names), for sync
+        verification: computed where the tensors are (on the GPU for an in-memory update), many per
+        batch, holding at most ~`CHECKSUM_BATCH_BYTES` of received tensors until their batch is done."""
+        pending, size = [], 0
         for name, tensor in weights:
-            self.received_checksums[name] = tensor_checksum(tensor)
+            pending.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
             yield name, tensor
+            if size >= CHECKSUM_BATCH_BYTES:
+                self.received_checksums.update(tensor_checksums(pending))
+                pending, size = [], 0
+        if pending:
+            self.received_checksums.update(tensor_checksums(pending))

@@ -211,3 +211,44 @@ def test_gap_and_eval_check_the_checkpoint_before_any_engine(tiny_checkpoint, tm
     assert main(["eval", "--data", "builtin", "--checkpoint", str(bad), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("beam-rl eval: error:") and "lm_head.weight holds 1 non-finite" in err[-1]
+
+
+def _fingerprint_by_definition(t: torch.Tensor) -> str:
+    """`tensor_checksum`'s docstring in plain Python integers."""
+    import hashlib
+
+    raw = t.reshape(-1).contiguous().view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw.view(torch.int16) if raw.numel() % 2 == 0 else raw
+    total = 0
+    for i, w in enumerate(words.tolist()):
+        x = (w % 2**64) ^ (i * 0x9E3779B97F4A7C15 % 2**64)
+        x ^= x >> 30
+        x = x * 0xBF58476D1CE4E5B9 % 2**64
+        x ^= x >> 27
+        x = x * 0x94D049BB133111EB % 2**64
+        x ^= x >> 31
+        total = (total + x) % 2**64
+    key = f"{t.dtype}|{tuple(t.shape)}|{words.element_size()}|{total:016x}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def test_tensor_checksums_follow_their_definition_for_any_batching(monkeypatch):
+    import beam_rl.model.weights as weights
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"bf16_{i}": torch.randn(3 + 37 * i, generator=g).to(torch.bfloat16) for i in range(6)}
+    tensors.update(fp32=torch.randn(5, 7, generator=g), odd_bytes=torch.arange(7, dtype=torch.uint8),
+                   int16=torch.arange(3, dtype=torch.int16), scalar=torch.tensor(3.0), empty=torch.zeros(0),
+                   strided=torch.randn(6, 8, generator=g)[:, ::2], offset_view=torch.randn(9, generator=g).bfloat16()[1:6])
+    want = {name: _fingerprint_by_definition(t) for name, t in tensors.items()}
+    assert weights.tensor_checksums(tensors.items()) == want
+    assert {name: weights.tensor_checksum(t) for name, t in tensors.items()} == want
+    monkeypatch.setattr(weights, "_BATCH_WORDS", 5)  # tensors split over batches, batches of several tensors
+    assert weights.tensor_checksums(tensors.items()) == want
+    flipped = tensors["bf16_3"].clone()
+    flipped.view(torch.int16)[17] ^= 1
+    swapped = tensors["bf16_3"].clone()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    others = {weights.tensor_checksum(flipped), weights.tensor_checksum(swapped),
+              weights.tensor_checksum(tensors["bf16_3"].view(2, -1)), weights.tensor_checksum(tensors["bf16_3"].half())}
+    assert want["bf16_3"] not in others and len(others) == 4

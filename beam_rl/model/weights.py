@@ -120,8 +120,104 @@ def checkpoint_tensors(config: BeamConfig) -> dict[str, TensorSpec]:
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
-    """sha256 (16 hex digits) of a tensor's dtype, shape and raw bytes: equal iff bit-identical."""
-    t = t.detach().contiguous().cpu()
-    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    """16 hex digits fingerprinting a tensor's dtype, shape and raw bytes (`tensor_checksums` of one)."""
+    return tensor_checksums([("", t)])[""]
+
+
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic); products wrap mod 2**64
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+_BATCH_WORDS = 1 << 25
+"""Words hashed per batch: bounds the int64 temporaries (~4 x 256 MiB)."""
+
+
+def tensor_checksums(named) -> dict[str, str]:
+    """{name: fingerprint} of (name, tensor) pairs, computed where each tensor lives (GPU tensors on
+    the GPU: no copy to the host), many tensors per kernel launch.
+
+    The fingerprint of a tensor is sha256 (16 hex digits) of its dtype, shape and the sum mod 2**64
+    of splitmix64(word_i xor i * golden) over its raw bytes read as 32-bit (else 16-, else 8-bit)
+    words. A change of any one word always changes the sum (each word's mix is a bijection); any
+    other change escapes it with probability ~2**-64: it fingerprints what a sync received, it is
+    not a cryptographic hash. Integer arithmetic only, so the value is the same on every device
+    and for every batching."""
+    sums: dict[str, int] = {}
+    meta: dict[str, tuple] = {}
+    by_device: dict[torch.device, list] = {}
+    for name, t in named:
+        words = _words(t)
+        meta[name] = (t.dtype, tuple(t.shape), words.element_size())
+        sums[name] = 0
+        by_device.setdefault(words.device, []).append((name, words))
+    for items in by_device.values():
+        for batch in _batches(items):
+            for name, total in _hash_batch(batch).items():
+                sums[name] = (sums[name] + total) % 2**64
+    return {name: hashlib.sha256(f"{dtype}|{shape}|{w}|{sums[name]:016x}".encode()).hexdigest()[:16]
+            for name, (dtype, shape, w) in meta.items()}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as a flat view of the widest integer words that divide them."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    raw = flat.view(torch.uint8)
+    for dtype, size in ((torch.int32, 4), (torch.int16, 2)):
+        if raw.numel() % size == 0:
+            try:
+                return raw.view(dtype)
+            except RuntimeError:  # storage offset not aligned to the word
+                return raw.clone().view(dtype)
+    return raw
+
+
+def _batches(items):
+    """Pieces (name, words, offset of the piece in its tensor) grouped into batches of at most
+    `_BATCH_WORDS` words."""
+    batch, size = [], 0
+    for name, words in items:
+        for start in range(0, max(words.numel(), 1), _BATCH_WORDS):
+            piece = words[start:start + _BATCH_WORDS]
+            if batch and size + piece.numel() > _BATCH_WORDS:
+                yield batch
+                batch, size = [], 0
+            batch.append((name, piece, start))
+            size += piece.numel()
+    if batch:
+        yield batch
+
+
+def _hash_batch(batch) -> dict[str, int]:
+    """{name: sum mod 2**64 of the mixed words} over one batch (a name may have several pieces).
+    In-place int64 work on two batch-sized buffers; the per-piece sums come from one cumulative
+    sum (integer: exact, whatever the order of the additions)."""
+    device = batch[0][1].device
+    n = sum(piece.numel() for _, piece, _ in batch)
+    x = torch.empty(n + 1, dtype=torch.int64, device=device)
+    x[0] = 0
+    index = torch.empty(n, dtype=torch.int64, device=device)
+    torch.arange(n, out=index)
+    ends, at = [], 0
+    for _, piece, start in batch:
+        x[1 + at:1 + at + piece.numel()].copy_(piece)  # sign-extends int32 / int16, zero-extends uint8
+        if at != start:
+            index[at:at + piece.numel()] -= at - start  # the word's index in its own tensor
+        at += piece.numel()
+        ends.append(at)
+    words = x[1:]
+    words ^= index.mul_(_GOLDEN)
+    tmp = index  # reused for the shifts
+    for shift, factor in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(words, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1  # logical shift: torch's >> is arithmetic
+        words ^= tmp
+        if factor is not None:
+            words *= factor
+    x.cumsum_(0)
+    bounds = x[torch.tensor([0, *ends], device=device)].tolist()
+    totals: dict[str, int] = {}
+    for (name, _, _), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
+        totals[name] = (totals.get(name, 0) + hi - lo) % 2**64
+    return totals
