@@ -2,11 +2,10 @@
 
 Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerExtension"`.
 
-- Routed-expert capture where the runner has no capturer of its own (vLLM's CPU runner has no
-  Model Runner V2): `beam_start_routing_capture` wraps the model runner's `execute_model`; after
-  each step the rows the model's `RoutingRecorder` wrote are filed under their requests by
-  position; `beam_pop_routed_experts` returns, per finished request, the same array vLLM puts in
-  `CompletionOutput.routed_experts`.
+- Routed-expert capture on every runner (`beam_rl.rollout.capture`): `beam_start_routing_capture`
+  wraps the model runner's `execute_model`; after each step the rows the model's `RoutingRecorder`
+  wrote are queued for the host without waiting for the GPU; `beam_pop_routed_experts` returns, per
+  finished request, the same array vLLM puts in `CompletionOutput.routed_experts`.
 - Weights: `beam_reload_weights` reloads a checkpoint in place and returns the checksum of every
   tensor as received (HF names), so the sender can verify the sync tensor by tensor;
   `beam_begin_weight_update` / `beam_end_weight_update` record the same around an update through
@@ -100,19 +99,25 @@ class BeamWorkerExtension:
             raise RuntimeError("the loaded model has no routing recorder; is it beam_rl.rollout's BeamForCausalLM?")
         if getattr(self, "_beam_routing", None) is None:
             self._beam_routing = RequestRouting(recorder)
-            runner = self.model_runner
-            original = runner.execute_model
+        runner = self.model_runner
+        if "execute_model" in vars(runner):
+            return True  # already filing
+        original = runner.execute_model
 
-            def execute_model(scheduler_output, *args, **kwargs):
-                out = original(scheduler_output, *args, **kwargs)
-                req_ids = list(runner.input_batch.req_ids)
-                counts = [scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids]
-                positions = getattr(runner.positions, "gpu", runner.positions)
-                self._beam_routing.file_step(req_ids, counts, positions)
-                return out
+        def execute_model(scheduler_output, *args, **kwargs):
+            out = original(scheduler_output, *args, **kwargs)
+            req_ids = list(runner.input_batch.req_ids)
+            counts = [scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids]
+            positions = getattr(runner.positions, "gpu", runner.positions)
+            self._beam_routing.file_step(req_ids, counts, positions)
+            return out
 
-            runner.execute_model = execute_model
-        recorder.enabled = True
+        runner.execute_model = execute_model
+        return True
+
+    def beam_stop_routing_capture(self) -> bool:
+        """Stop filing steps (the model still records into its buffer; nothing reaches the host)."""
+        vars(self.model_runner).pop("execute_model", None)
         return True
 
     def beam_pop_routed_experts(self, request_ids: list[str]) -> dict[str, tuple[tuple[int, ...], str, bytes]]:
@@ -121,14 +126,15 @@ class BeamWorkerExtension:
         routing = getattr(self, "_beam_routing", None)
         if routing is None:
             raise RuntimeError("call beam_start_routing_capture before generating")
-        found: dict[str, tuple] = {}
-        for internal in list(routing.rows):
-            for rid in request_ids:
-                # vLLM may append a uniquifying suffix to the caller's request id.
-                if internal == rid or internal.startswith(rid + "-"):
-                    arr = routing.pop(internal)
-                    found[rid] = (arr.shape, arr.dtype.str, arr.tobytes())
-        return found
+        wanted = set(request_ids)
+        internal_of = {}
+        for internal in routing.known():
+            # vLLM may append a uniquifying suffix to the caller's request id.
+            rid = internal if internal in wanted else internal.rsplit("-", 1)[0]
+            if rid in wanted:
+                internal_of[internal] = rid
+        arrays = routing.pop_many(list(internal_of))
+        return {internal_of[i]: (a.shape, a.dtype.str, a.tobytes()) for i, a in arrays.items()}
 
     # -- weights ----------------------------------------------------------------------------------
     def beam_reload_weights(self, weights_path: str) -> dict[str, str]:
@@ -136,13 +142,34 @@ class BeamWorkerExtension:
         `tensor_checksum` of every tensor as received, by HF name, for the sender to compare.
         Raises if the reload left any model parameter without a load (a checkpoint that lacks
         tensors, or a loader that skipped some)."""
+        return self._beam_reload(weights_path, weights_path=weights_path)
+
+    def beam_load_weights(self, tensors: list[tuple[str, torch.Tensor]], layerwise: bool = True) -> dict[str, str]:
+        """`beam_reload_weights` from (HF name, tensor) pairs instead of files: for an engine whose
+        core runs in the caller's process, where `collective_rpc` hands the tensors over by reference
+        (the trainer's GPU tensors load straight into the model).
+
+        `layerwise`: through vLLM's layerwise reload, which re-runs each layer's
+        `process_weights_after_loading` (needed where that repacks weights: vLLM's CPU linear
+        layers pre-pack for oneDNN). Else the model's `load_weights` copies into the loaded
+        parameters directly, as RL frameworks update unquantized vLLM models: one weight-loader call
+        per tensor instead of vLLM's per-load bookkeeping (~1 ms per tensor; beam-mini has ~2.4k)."""
+        what = f"{len(tensors)} in-memory tensors"
+        if layerwise:
+            return self._beam_reload(what, weights_iterator=iter(tensors))
+        return self._beam_reload(what, load=lambda: self._beam_model().load_weights(iter(tensors)))
+
+    def _beam_reload(self, what: str, load=None, **source) -> dict[str, str]:
         self.beam_begin_weight_update()
         try:
-            self.model_runner.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+            if load is not None:
+                load()
+            else:
+                self.model_runner.reload_weights(is_checkpoint_format=True, **source)
         finally:
             report = self.beam_end_weight_update()
         if report["not_loaded"]:
-            raise RuntimeError(f"reload of {weights_path} loaded no data into {len(report['not_loaded'])} parameter(s), "
+            raise RuntimeError(f"reload of {what} loaded no data into {len(report['not_loaded'])} parameter(s), "
                                f"e.g. {report['not_loaded'][:3]}")
         return report["checksums"]
 

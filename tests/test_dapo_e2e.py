@@ -170,3 +170,28 @@ def test_tampered_sync_stops_the_run(engine, tmp_path, tiny_model):
     sent["lm_head.weight"] = "0" * 16  # what the trainer claims it sent differs from what arrived
     with pytest.raises(SyncError, match="lm_head.weight"):
         engine.update_weights(path, sent)
+
+
+def test_in_memory_sync_loads_what_a_reload_loads_and_is_verified(engine, tmp_path, tiny_model):
+    from beam_rl.engines.base import checksums_of
+
+    tensors = {n: t.contiguous() for n, t in tiny_model.state_dict().items()}
+    g = torch.Generator().manual_seed(7)
+    moved = {n: (t.float() + 0.01 * torch.randn(t.shape, generator=g)).to(t.dtype) for n, t in tensors.items()}
+    try:
+        engine.load_weights(moved, checksums_of(moved.items()))
+        in_memory = engine.llm.collective_rpc("beam_parameter_checksums")[0]
+        path, sent = _engine_dir(tmp_path, moved, tiny_model.config)
+        engine.update_weights(path, sent)
+        assert engine.llm.collective_rpc("beam_parameter_checksums")[0] == in_memory
+        engine.load_weights(tensors, checksums_of(tensors.items()))
+        assert engine.llm.collective_rpc("beam_parameter_checksums")[0] != in_memory
+        claimed = checksums_of(tensors.items())
+        claimed["model.norm.weight"] = "0" * 16
+        with pytest.raises(SyncError, match="model.norm.weight"):
+            engine.load_weights(tensors, claimed)
+        partial = {n: t for n, t in tensors.items() if n != "lm_head.weight"}
+        with pytest.raises((SyncError, RuntimeError), match="lm_head"):
+            engine.load_weights(partial, checksums_of(partial.items()))
+    finally:
+        engine.load_weights(tensors, checksums_of(tensors.items()))

@@ -291,9 +291,8 @@ class Job:
             self.adapter = self._sync_adapter(step)
             nbytes = self.adapter_bytes
         else:
-            tensors = self.policy.export(merged=True)
-            path, sent = _engine_dir(self.engine_root, tensors, self.config)
-            self.engine.update_weights(path, sent)
+            tensors = self.policy.export(merged=True, on_device=True)  # straight into the engine: no files
+            self.engine.load_weights(tensors, checksums_of(tensors.items()))
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         dt = time.perf_counter() - t0
         return {"sync_s": dt, "sync_mb_per_s": nbytes / 2**20 / dt}

@@ -111,15 +111,17 @@ def _evaluator(recipe, config, task, tok, root, engine):
     first call unless one is given, and stopped by `stop` if started here."""
     from beam_rl.dapo.loop import Job, _engine_dir, heldout_avg
     from beam_rl.engines import start_rollout_engine
+    from beam_rl.engines.base import checksums_of
 
     held = {"engine": engine}
 
     def evaluate(policy) -> float:
-        path, sent = _engine_dir(root, policy.export(merged=False), config)
         if held["engine"] is None:
+            path, _ = _engine_dir(root, policy.export(merged=False), config)
             held["engine"] = start_rollout_engine(Job.engine_settings(recipe, path))
         else:
-            held["engine"].update_weights(path, sent)
+            tensors = policy.export(merged=False, on_device=True)
+            held["engine"].load_weights(tensors, checksums_of(tensors.items()))
         return heldout_avg(held["engine"], task, tok, recipe)
 
     def stop() -> None:

@@ -23,6 +23,14 @@ def start_rollout_engine(settings: EngineSettings) -> RolloutEngine:
     return VLLMEngine(settings)
 
 
+def start_vllm(settings: EngineSettings):
+    """The bare `vllm.LLM` a `start_rollout_engine` engine runs on (the same process layout and
+    arguments), for a checkpoint that need not be Beam's: benchmark peers."""
+    from beam_rl.engines.vllm import start_llm
+
+    return start_llm(settings)
+
+
 def build_trainer(config, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234) -> TrainerBackend:
     """The Megatron-Core Beam model of `config` with `hf_tensors` loaded, in training mode `mode`
     (`TRAIN_MODES`), in this process (TP1)."""
@@ -32,4 +40,4 @@ def build_trainer(config, hf_tensors: dict, *, mode: str = "bf16", recompute: bo
 
 
 __all__ = ["TRAIN_MODES", "Adapter", "Completion", "EngineSettings", "RolloutEngine", "Sampling", "TrainMode", "TrainerBackend",
-           "build_trainer", "start_rollout_engine"]
+           "build_trainer", "start_rollout_engine", "start_vllm"]

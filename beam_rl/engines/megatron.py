@@ -160,13 +160,15 @@ class MegatronTrainer(TrainerBackend):
         return loss.item()
 
     # -- weights out ---------------------------------------------------------------------------
-    def export(self, *, merged: bool = True) -> dict[str, torch.Tensor]:
+    def export(self, *, merged: bool = True, on_device: bool = False) -> dict[str, torch.Tensor]:
         from beam_rl.megatron.convert import export_hf
         from beam_rl.megatron.lora import export_merged
 
         items = export_hf(self.model, self.config)
         if self.lora_settings and merged:
             items = export_merged(items, self.model)
+        if on_device:
+            return {k: v.detach().contiguous() for k, v in items}
         return {k: v.detach().contiguous().cpu().clone() for k, v in items}
 
     def save_adapter(self, path, base: str = "") -> dict[str, torch.Tensor]:

