@@ -2,6 +2,14 @@
 
     python scripts/bench_rollout.py --checkpoint CKPT [--builds fused,compiled,eager] [--rounds N] [--json OUT.json]
     python scripts/bench_rollout.py --host-sweep [PASSES] [--cpus 0-7] [--json OUT.json]
+    python scripts/bench_rollout.py --concurrency --checkpoint CKPT [--variants ...] [--decode-batches 64,256]
+                                    [--weight-update N] [--json OUT.json]
+
+`--concurrency`: decode at RL concurrency (batch 1 and `--decode-batches`) for the variants of
+`rollout_bench.concurrency.VARIANTS`, each its own process: async scheduling on and off, R3 capture
+off and on (beam-rl's, and vLLM's own for comparison), vLLM's Qwen3-MoE class of the same size as
+the peer; tokens/s, wall and GPU ms per step, whether every variant captured the same routing, and
+the in-memory weight update against the file route. Prints the tables with the issue's goals.
 
 Builds (`rollout_bench.harness.BUILDS`):
 - fused:    beam-rl's Triton kernels (BEAM_RL_FUSED_KERNELS=1), vLLM's torch.compile + CUDA graphs
@@ -33,6 +41,7 @@ import statistics
 import subprocess
 import sys
 
+from rollout_bench import concurrency
 from rollout_bench.harness import BUILDS, MAIN_BUILDS, run_build
 from rollout_bench.host_probe import parse_cpus, sweep_report
 from rollout_bench.report import summarize
@@ -94,6 +103,56 @@ def parse_batches(spec: str) -> list[int]:
     if any(b < 2 for b in batches) or len(set(batches)) != len(batches):
         raise argparse.ArgumentTypeError(f"{spec!r}: batch sizes must be distinct and >= 2 (batch 1 is always timed)")
     return batches
+
+
+def run_variant_process(name: str, args) -> dict | None:
+    """One `--concurrency` variant in its own process (`--variant NAME`); its RESULT dict, or None."""
+    env = {**os.environ, "BEAM_RL_FUSED_KERNELS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cmd = [sys.executable, __file__, "--checkpoint", args.checkpoint, "--variant", name, "--work", args.work,
+           "--decode-tokens", str(args.decode_tokens), "--repeats", str(args.repeats),
+           "--decode-batches", ",".join(map(str, args.decode_batches)), "--weight-update", str(args.weight_update)]
+    if not args.gpu_time:
+        cmd.append("--no-gpu-time")
+    if args.host_profile:
+        cmd.append("--host-profile")
+    if args.cpus:
+        cmd += ["--cpus", args.cpus]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        with open(os.path.join(args.log_dir, f"{name}.log"), "w") as fh:
+            fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("[") and not line.startswith("RESULT"):
+            print(line, flush=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(f"variant {name} failed (exit {proc.returncode}):", proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_concurrency(args) -> int:
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in concurrency.VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {sorted(concurrency.VARIANTS)}")
+    results, failed = {}, []
+    for name in variants:
+        r = run_variant_process(name, args)
+        if r is None:
+            failed.append(name)
+        else:
+            results[name] = r
+        write_json(args.json, {"partial": True, "variants": results, "failed": failed})
+    summary, lines = concurrency.summarize(results)
+    for line in lines:
+        print(line, flush=True)
+    write_json(args.json, {**summary, "environment": environment(), "decode_tokens": args.decode_tokens,
+                           "repeats": args.repeats, "failed": failed, "variants": results})
+    if failed:
+        raise SystemExit(f"variants failed: {failed}")
+    return 0
 
 
 def run_build_process(name: str, args, extra_env: dict[str, str], log_name: str) -> dict | None:
@@ -182,6 +241,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", help="HF checkpoint directory of the Beam model (required unless --host-sweep)")
     ap.add_argument("--build", choices=sorted(BUILDS), help="(internal) run one build in this process")
+    ap.add_argument("--concurrency", action="store_true", help="decode at RL concurrency for --variants (see the top)")
+    ap.add_argument("--variants", default=",".join(concurrency.VARIANTS),
+                    help="--concurrency: comma-separated subset of " + ",".join(concurrency.VARIANTS))
+    ap.add_argument("--variant", choices=sorted(concurrency.VARIANTS), help="(internal) run one variant in this process")
+    ap.add_argument("--weight-update", type=int, default=3, metavar="N",
+                    help="--concurrency: time N in-memory weight updates (and one through files) in beam-async; 0: none")
+    ap.add_argument("--work", default="/tmp/beam-bench", help="--concurrency: scratch directory (the peer's config)")
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5,
                     help="timed runs per build (cheap next to the engine start; the host-bound step time jitters)")
@@ -210,7 +276,8 @@ def main() -> int:
                     help="pin every build's process to these CPUs (e.g. 0-7): the step time is host-bound, and "
                          "builds that land on different cores are not comparable")
     ap.add_argument("--host-profile", action="store_true",
-                    help="also run one decode under cProfile and print the Python functions with the most host time")
+                    help="also run one decode under cProfile and print the Python functions with the most host time "
+                         "(--concurrency: per variant at the top batch, with own time by source area)")
     ap.add_argument("--nominal-host-factor", type=float, default=1.3,
                     help="a timed repeat counts as on a nominal host when the python probes around it are within this "
                          "factor of the run's fastest probe")
@@ -228,6 +295,17 @@ def main() -> int:
         return 0
     if not args.checkpoint:
         ap.error("--checkpoint is required")
+    if args.variant:
+        if args.cpus:
+            os.sched_setaffinity(0, parse_cpus(args.cpus))
+        if args.weight_update and args.variant != "beam-async":
+            args.weight_update = 0
+        print("RESULT " + json.dumps(concurrency.run_variant(args)), flush=True)
+        return 0
+    if args.concurrency:
+        if args.cpus:
+            parse_cpus(args.cpus)
+        return run_concurrency(args)
     if args.build:
         if args.cpus:  # before torch and vLLM start their threads: they inherit the mask
             os.sched_setaffinity(0, parse_cpus(args.cpus))

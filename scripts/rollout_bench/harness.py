@@ -200,9 +200,17 @@ def step_clock(llm):
         del engine.step  # back to the class's method
 
 
-def host_profile(fn, steps: int, top: int = 30) -> list:
-    """cProfile of one decode run: the Python functions with the most own time, as [name, calls/step,
-    own us/step, cumulative us/step]. cProfile slows Python calls, so read the shares, not the totals."""
+HOST_AREAS = (("vllm/v1/core/", "scheduler + KV-cache manager"), ("vllm/v1/worker/", "model runner"),
+              ("vllm/v1/attention/", "attention metadata"), ("vllm/v1/sample/", "sampler"),
+              ("vllm/v1/engine/", "engine core + output processing"), ("vllm/", "vLLM, other"),
+              ("beam_rl/", "beam-rl"), ("torch/", "torch (Python)"), ("", "other (C calls, numpy, stdlib)"))
+"""Source areas of `host_profile`, first match of the function's file path."""
+
+
+def host_profile(fn, steps: int, top: int = 30) -> dict:
+    """cProfile of one decode run (the engine core must run in this thread): own us per step by area of
+    `HOST_AREAS`, and the `top` Python functions by own time as [name, calls/step, own us/step,
+    cumulative us/step]. cProfile slows Python calls, so read the shares, not the totals."""
     import cProfile
     import pstats
 
@@ -211,12 +219,18 @@ def host_profile(fn, steps: int, top: int = 30) -> list:
     fn()
     prof.disable()
     stats = pstats.Stats(prof).stats
+    areas: dict[str, float] = {}
+    for (file, _, _), (_, _, tt, _, _) in stats.items():
+        area = next(label for prefix, label in HOST_AREAS if prefix in file.replace(os.sep, "/"))
+        areas[area] = areas.get(area, 0.0) + tt / steps * 1e6
+    areas = dict(sorted(areas.items(), key=lambda kv: -kv[1]))
     rows = sorted(((f"{os.path.basename(file)}:{line}:{name}", calls / steps, tt / steps * 1e6, ct / steps * 1e6)
                    for (file, line, name), (_, calls, tt, ct, _) in stats.items()), key=lambda r: -r[2])[:top]
-    print(f"[trace] host profile ({steps} steps; own us/step, cumulative us/step):", flush=True)
+    print(f"[trace] host profile ({steps} steps; own us/step by area): "
+          + ", ".join(f"{a} {us:.0f}" for a, us in areas.items()), flush=True)
     for name, calls, own, cum in rows:
         print(f"[trace]   {own:9.1f} us own {cum:9.1f} us cum {calls:7.1f} calls  {name}", flush=True)
-    return rows
+    return dict(steps=steps, areas_us_per_step=areas, top=rows)
 
 
 def profiled(fn, host: bool = False):
