@@ -3,8 +3,8 @@ routing capture next to vLLM's own in one engine, and in-memory weight updates. 
 without CUDA. On the H200: `bash scripts/h200_campaign.sh rollout_gpu`.
 
 - The capture returns exactly vLLM's arrays for every request, including requests that stop
-  early on a stop token (async scheduling has already run one more forward for them), and is
-  the same with the engine's CUDA graphs as eager (the model records in every graph).
+  early on a stop token (async scheduling has already run one more forward for them), with the
+  engine's CUDA graphs on (the model records inside every graph).
 - The loop's in-memory update (direct into the parameters on CUDA) leaves the parameters a file
   update through vLLM's layerwise machinery and a file reload leave; greedy generation is the same
   after a reload and after an in-memory update; a wrong fingerprint stops the update; fingerprints
@@ -74,7 +74,7 @@ def test_capture_equals_vllms_under_async_scheduling_and_cuda_graphs(engine):
           "identical to vLLM's routed_experts")
 
 
-def test_in_memory_update_equals_a_file_reload_and_a_fresh_engine(engine, checkpoints):
+def test_in_memory_update_equals_the_file_updates(engine, checkpoints):
     config = load_config(checkpoints[1])
     tensors = {n: t.cuda() for n, t in read_tensors(checkpoints[1], config)}
     engine.load_weights(tensors, checksums_of(tensors.items()))
