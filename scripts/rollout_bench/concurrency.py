@@ -31,14 +31,14 @@ VARIANTS = {
     "beam-async": dict(model="beam", async_scheduling=True, r3="beam"),
     "beam-sync": dict(model="beam", async_scheduling=False, r3="beam"),
     "beam-async-vllm-r3": dict(model="beam", async_scheduling=True, r3="vllm"),
-    "beam-async-onegroup": dict(model="beam", async_scheduling=True, r3="beam", one_kv_group=True),
+    "beam-async-hybrid": dict(model="beam", async_scheduling=True, r3="beam", hybrid_kv_cache=True),
     "qwen3moe-async": dict(model="peer", async_scheduling=True, r3="off"),
 }
 """name -> model ("beam": the checkpoint, fused kernels; "peer": Qwen3-MoE of the same size), async
 scheduling, R3 capture timed in the same engine next to capture off ("beam": beam-rl's, "vllm":
 vLLM's own, which is an engine setting, so capture-off rows come from the other variants);
-`one_kv_group`: `disable_hybrid_kv_cache_manager`, every layer in one KV-cache group (sliding layers
-keep their window in attention but hold full-length KV), to weigh the per-group host work."""
+`hybrid_kv_cache`: vLLM's hybrid KV-cache manager (one group per run of sliding / full layers; the
+other variants get beam-rl's default at this length, one group: `EngineSettings.hybrid_kv_cache`)."""
 ROUTING_BATCH = 64
 ROUTING_TOKENS = 32
 
@@ -76,8 +76,6 @@ def run_variant(args) -> dict:
     engine_args = {"max_num_batched_tokens": 16384}
     if v["r3"] == "vllm":
         engine_args["enable_return_routed_experts"] = True
-    if v.get("one_kv_group"):
-        engine_args["disable_hybrid_kv_cache_manager"] = True
     if peer:
         engine_args["load_format"] = "dummy"
     batches = [1, *args.decode_batches]
@@ -85,6 +83,7 @@ def run_variant(args) -> dict:
         model=peer_config_dir(args.checkpoint, os.path.join(args.work, "qwen3moe-peer")) if peer else args.checkpoint,
         max_model_len=PROMPT_LEN + 2 + max(args.decode_tokens, ROUTING_TOKENS), max_num_seqs=max(batches + [ROUTING_BATCH]),
         seed=0, enforce_eager=False, capture_routing=False, async_scheduling=v["async_scheduling"],
+        hybrid_kv_cache=v.get("hybrid_kv_cache"),
         gpu_memory_utilization=0.6, engine_args=engine_args)
     t0 = time.time()
     engine = None if peer else start_rollout_engine(settings)
@@ -258,10 +257,10 @@ def summarize(results: dict[str, dict]) -> tuple[dict, list[str]]:
     for b in batches:
         vllm_r3, off = wall("beam-async-vllm-r3", "vLLM", b), wall("beam-async", "off", b)
         sync, asyn = wall("beam-sync", "off", b), wall("beam-async", "off", b)
-        one, peer = wall("beam-async-onegroup", "off", b), wall("qwen3moe-async", "off", b)
+        hybrid, one = wall("beam-async-hybrid", "off", b), wall("beam-async", "off", b)
         info.append(dict(concurrency=b, vllm_capture_over_off=vllm_r3 / off if vllm_r3 and off else None,
                          sync_over_async=sync / asyn if sync and asyn else None,
-                         onegroup_over_peer=one / peer if one and peer else None))
+                         hybrid_over_one_group=hybrid / one if hybrid and one else None))
     routing = {n: r.get("routing") for n, r in results.items() if r.get("routing")}
     digests = {(d["tokens_sha"], d["routing_sha"]) for d in routing.values()}
     checks = dict(routing_identical_across_variants=len(digests) == 1 if routing else None,
@@ -274,7 +273,7 @@ def summarize(results: dict[str, dict]) -> tuple[dict, list[str]]:
     lines += ["", "ratios at each concurrency: " + ", ".join(
         f"{i['concurrency']}: vLLM capture / off {i['vllm_capture_over_off'] or float('nan'):.2f}x, "
         f"sync / async {i['sync_over_async'] or float('nan'):.2f}x, "
-        f"one KV group / peer {i['onegroup_over_peer'] or float('nan'):.2f}x" for i in info)]
+        f"hybrid KV cache / one group {i['hybrid_over_one_group'] or float('nan'):.2f}x" for i in info)]
     lines.append(f"routing checks: {checks}")
     for name, r in results.items():
         for key, prof in r.get("host_profile", {}).items():
