@@ -54,8 +54,11 @@ INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the ind
                 "three builds, each in its own process: `fused` (beam-rl's Triton kernels), `compiled` (the "
                 "plain-PyTorch reference under vLLM's torch.compile), `eager` (the same, not compiled). Decode: batch "
                 "1; prefill: 8 x 2048 tokens. At this size a decode step is bound by vLLM's host work, so a fixed "
-                "CPython workload (the python probe) is timed before and after every repeat. Not measured on the H200 "
-                "yet: tensor parallelism (`h200_campaign.sh tp2`) and decode with several requests in flight."),
+                "CPython workload (the python probe) is timed before and after every repeat. At RL concurrency (batch "
+                "1 / 64 / 256 in flight) the fused build runs with async scheduling, R3 capture off and on, one KV-cache "
+                "group (beam-rl's default at these lengths) and vLLM's hybrid KV cache, beside vLLM's own Qwen3-MoE "
+                "class of the same size with random weights (the peer). Not measured on the H200 yet: tensor "
+                "parallelism (`h200_campaign.sh tp2`)."),
     "trainer": ("Trainer", "Megatron-Core model: parity with the reference, training step speed",
                 "The Megatron-Core Beam model (`beam_rl/megatron/`) against the reference model, and one training step "
                 "(forward with R3 replay of random expert ids, backward of a log-prob loss, SGD). MFU: 6 x active "
@@ -218,8 +221,43 @@ def kernels_page() -> Page:
             f"5120 x 256 router {r5} us at 1 / 8 / 64 tokens", where(*rows))
 
 
+def concurrency_tables(c: Rec) -> list[str]:
+    """Decode at RL concurrency (`bench_rollout.py --concurrency`): per variant, goals, host profile, weight update."""
+    base = {k: c["provenance"].get(k) for k in PROV}
+    rows = [{**base, **r} for r in c["rows"]]
+    goals = [{**base, **g, "met": check(g["met"])} for g in c["goals"]]
+    prof = [{**base, "variant": name, "R3": key, "batch": p["batch"],
+             **{a: p["areas_us_per_step"].get(a) for a in PROFILE_AREAS}}
+            for name, v in c["variants"].items() for key, p in v.get("host_profile", {}).items()]
+    w = c["weight_update"]
+    return [
+        table(f"Decode at RL concurrency ({c['decode_tokens']} tokens, medians of {c['repeats']}; 32-token prompts)", rows, cols(
+            "variant", "model", "R3 capture=r3", "concurrency", "tokens/s=tokens_per_s:.0f", "wall ms/step=wall_ms_per_step:.2f",
+            "GPU ms/step=gpu_ms_per_step:.2f"),
+            "KV-cache groups per variant: " + ", ".join(f"{n} {v['engine']['kv_cache_groups']}" for n, v in c["variants"].items())
+            + f". {c['provenance'].get('note', '')}. Routing of one greedy batch identical across the Beam variants: "
+            f"{fmt(c['routing_checks']['routing_identical_across_variants'])}."),
+        table("Goals at RL concurrency (the issue's bounds)", goals, cols("goal", "value:.3f", "bound", "met"),
+              "The DAPO loop's own per-step sync, the issue's bound of 0.5 s: [sync.md](sync.md)."),
+        table("Host time per decode step at batch 256 by source (cProfile, own us per step; cProfile inflates Python "
+              "calls, compare the rows)", prof, cols("variant", "R3", *(f"{a}={a}:.0f" for a in PROFILE_AREAS))),
+        kv_table(f"Weight update into the running engine, {w['bytes'] / 2**30:.2f} GiB in {w['tensors']} tensors (medians)",
+                 base, [("in memory: fingerprints on the GPU + verified load", f"{w['in_memory_s']:.3f} s "
+                         f"({w['sender_checksums_s']:.3f} + {w['verified_load_s']:.3f})"),
+                        ("in memory through vLLM's layerwise reload", f"{w['layerwise_load_s']:.3f} s"),
+                        ("through files on /dev/shm: write + reload", f"{w['files_s']:.2f} s ({w['files_write_s']:.2f} + "
+                         f"{w['files_reload_s']:.2f}), {w['files_s'] / w['in_memory_s']:.0f}x"),
+                        ("parameters identical after the three", fmt(w["same_parameters"]))])]
+
+
+PROFILE_AREAS = ("scheduler + KV-cache manager", "model runner", "engine core + output processing", "vLLM, other",
+                 "beam-rl", "torch (Python)", "other (C calls, numpy, stdlib)")
+
+
 def rollout_page() -> Page:
     d = load("rollout_speed.json")
+    c = load("rollout_concurrency.json")
+    peer256 = next(g["value"] for g in c["goals"] if g["goal"] == "batch 256: Beam R3-off step / Qwen3-MoE peer step")
     b = [{**d["builds"][n], **{k: d.get(k) for k in PROV}, "build": n} for n in ("fused", "compiled", "eager")]
     for r in b:
         for k in ("decode", "prefill"):
@@ -260,9 +298,10 @@ def rollout_page() -> Page:
             ("router disagreement, reference without replay", f"{p['router_disagreement_no_replay']:.0%}"),
             (f"free-running greedy tokens shared with the reference (of {p['free_running_tokens']})",
              f"{min(share)}-{max(share)} per prompt"), ("tokens compared", p["num_tokens"])]),
-        *record_tables("rollout_parity_cpu.json")]),
+        *record_tables("rollout_parity_cpu.json"), *concurrency_tables(c)]),
             f"fused batch-1 decode step: {d['decode_gpu_ms_fused']:.2f} ms GPU time ({x('decode_gpu_ms_{}')}); "
-            f"{d['decode_ms_fused']:.2f} ms wall clock ({x('decode_ms_{}')})", where(d))
+            f"{d['decode_ms_fused']:.2f} ms wall clock ({x('decode_ms_{}')}); batch 256: "
+            f"{peer256:.2f}x the Qwen3-MoE peer's step", where(d, c["provenance"]))
 
 
 def trainer_page() -> Page:
@@ -406,17 +445,20 @@ def skyrl_tables(dapo_run_rec: Rec, dapo_steps: list[Rec]) -> list[str]:
 
 
 def sync_page() -> Page:
-    run, steps, _ = dapo_run()
+    head, rows = jsonl("dapo_sync_mini_h200.jsonl")
+    run = {**head["provenance"], **head["summary"]}
+    steps = [r for r in rows if "sync_s" in r]
     p = load("weight_reload.json")["records"][0]
     sync = [r["sync_s"] for r in steps]
     return ("\n".join([
         kv_table(f"Per-step sync in the DAPO loop, beam-mini on one H200 ({len(steps)} steps)", run, [
-            ("seconds per step", f"{span(sync, '{:.1f}')} (median {statistics.median(sync):.1f})"),
+            ("seconds per step", f"{span(sync, '{:.2f}')} (median {statistics.median(sync):.2f}; bound 0.5)"),
             ("MB/s", span([r["sync_mb_per_s"] for r in steps], "{:.0f}")),
-            ("payload", f"{run['sync_payload_gib']} GiB"),
-            ("vLLM's reload", run["sync_vllm_reload"]), ("transport", run["sync_transport"])]),
+            ("payload", f"{run['sync_payload_gib']} GiB"), ("transport", run["sync_transport"]),
+            ("R3 gap per step, mean |d|", span([r["mean_abs_logprob_diff"] for r in steps], "{:.2e}")),
+            ("step seconds (rollout + train + sync)", span([r["time_s"] for r in steps], "{:.1f}"))]),
         *record_tables("weight_reload.json")]),
-            f"DAPO per-step sync {span(sync, '{:.1f}')} s; in-place reload of {p['tensors']} tensors in "
+            f"DAPO per-step sync {span(sync, '{:.2f}')} s (in memory); in-place reload of {p['tensors']} tensors in "
             f"{p['seconds']} s, bit-identical after A -> B -> A", where(run, p))
 
 
