@@ -105,6 +105,21 @@ def parse_batches(spec: str) -> list[int]:
     return batches
 
 
+def run_child(cmd: list[str], env: dict[str, str], args, log_name: str) -> subprocess.CompletedProcess:
+    """Run one measuring child process (with `--host-profile` / `--cpus` passed on); its output also
+    goes to `<log dir>/<log_name>.log`."""
+    if args.host_profile:
+        cmd = cmd + ["--host-profile"]
+    if args.cpus:
+        cmd = cmd + ["--cpus", args.cpus]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        with open(os.path.join(args.log_dir, f"{log_name}.log"), "w") as fh:
+            fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    return proc
+
+
 def run_variant_process(name: str, args) -> dict | None:
     """One `--concurrency` variant in its own process (`--variant NAME`); its RESULT dict, or None."""
     env = {**os.environ, "BEAM_RL_FUSED_KERNELS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -113,15 +128,7 @@ def run_variant_process(name: str, args) -> dict | None:
            "--decode-batches", ",".join(map(str, args.decode_batches)), "--weight-update", str(args.weight_update)]
     if not args.gpu_time:
         cmd.append("--no-gpu-time")
-    if args.host_profile:
-        cmd.append("--host-profile")
-    if args.cpus:
-        cmd += ["--cpus", args.cpus]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if args.log_dir:
-        os.makedirs(args.log_dir, exist_ok=True)
-        with open(os.path.join(args.log_dir, f"{name}.log"), "w") as fh:
-            fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    proc = run_child(cmd, env, args, name)
     for line in proc.stdout.splitlines():
         if line.startswith("[") and not line.startswith("RESULT"):
             print(line, flush=True)
@@ -168,15 +175,7 @@ def run_build_process(name: str, args, extra_env: dict[str, str], log_name: str)
         cmd.append("--no-gpu-time")
     if args.trace_steps and not separate_core:
         cmd += ["--trace-steps", str(args.trace_steps)]
-    if args.host_profile:
-        cmd.append("--host-profile")
-    if args.cpus:
-        cmd += ["--cpus", args.cpus]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if args.log_dir:
-        os.makedirs(args.log_dir, exist_ok=True)
-        with open(os.path.join(args.log_dir, f"{log_name}.log"), "w") as fh:
-            fh.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    proc = run_child(cmd, env, args, log_name)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         print(f"build {name} failed (exit {proc.returncode}):", proc.stdout[-2000:], proc.stderr[-4000:], flush=True)
