@@ -99,7 +99,7 @@ class RolloutSample:
     @classmethod
     def from_vllm(cls, output, routed: np.ndarray, config: BeamConfig, index: int = 0) -> "RolloutSample":
         """From a vLLM `RequestOutput` (first completion, `logprobs=0` or more) and its routing
-        array [P + G - 1, num_hidden_layers, top_k] (`beam_rl.rollout.routing.fetch_routed_experts`)."""
+        array [P + G - 1, num_hidden_layers, top_k] (`beam_rl.rollout.routing.fetch_captured_routing`)."""
         where = f"request {index}"
         comp = output.outputs[0]
         if comp.logprobs is None:

@@ -1,6 +1,6 @@
-"""Client side of routed-expert capture: one call that returns each request's routing, from
-vLLM's own `CompletionOutput.routed_experts` where the runner fills it (GPU, Model Runner V1
-with `enable_return_routed_experts=True`) or from `BeamWorkerExtension` otherwise.
+"""Client side of routed-expert capture: `fetch_captured_routing` returns each request's routing as
+`BeamWorkerExtension` captured it (CPU and GPU; the same arrays as vLLM's own
+`CompletionOutput.routed_experts`, which beam-rl's engines do not turn on).
 
 The array is [prompt + generated - 1, num_hidden_layers, top_k] (the last sampled token never
 passes through the model). Rows of dense layers are not routed (zeros): select MoE layers by
@@ -12,15 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from beam_rl.model.config import BeamConfig
-
-
-def fetch_routed_experts(llm, outputs) -> list[np.ndarray]:
-    """Routing of each `RequestOutput` in `outputs` (first completion), in order: vLLM's own
-    capture where it filled `routed_experts`, else `BeamWorkerExtension`'s."""
-    native = [getattr(o.outputs[0], "routed_experts", None) for o in outputs]
-    if all(r is not None for r in native):
-        return [np.asarray(r) for r in native]
-    return fetch_captured_routing(llm, outputs)
 
 
 def fetch_captured_routing(llm, outputs) -> list[np.ndarray]:

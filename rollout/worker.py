@@ -122,7 +122,7 @@ class BeamWorkerExtension:
 
     def beam_pop_routed_experts(self, request_ids: list[str]) -> dict[str, tuple[tuple[int, ...], str, bytes]]:
         """Routing of the given (external) request ids, as (shape, dtype, bytes) so it crosses
-        process boundaries intact; `beam_rl.rollout.routing.fetch_routed_experts` decodes it."""
+        process boundaries intact; `beam_rl.rollout.routing.fetch_captured_routing` decodes it."""
         routing = getattr(self, "_beam_routing", None)
         if routing is None:
             raise RuntimeError("call beam_start_routing_capture before generating")

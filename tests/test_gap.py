@@ -131,13 +131,13 @@ def test_rollout_batch_from_real_engine(tiny_vllm, tiny_config):
     from vllm import SamplingParams
 
     from beam_rl.r3 import R3Error, RolloutBatch, RolloutSample
-    from beam_rl.rollout.routing import fetch_routed_experts
+    from beam_rl.rollout.routing import fetch_captured_routing
 
     prompts = [[1, 2, 3], list(range(10, 30))]
     outs = tiny_vllm.generate([{"prompt_token_ids": p} for p in prompts],
                               SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, logprobs=0, seed=1, detokenize=False),
                               use_tqdm=False)
-    routed = fetch_routed_experts(tiny_vllm, outs)
+    routed = fetch_captured_routing(tiny_vllm, outs)
     batch = RolloutBatch.from_vllm(outs, routed, tiny_config)
     for s, p, r in zip(batch.samples, prompts, routed):
         assert s.prompt_ids.tolist() == p and len(s.output_ids) == 5
@@ -147,4 +147,4 @@ def test_rollout_batch_from_real_engine(tiny_vllm, tiny_config):
         RolloutBatch.from_vllm(outs, [routed[0], routed[1][:, 1:]], tiny_config)
     with pytest.raises(R3Error, match="request 0: no log-probs"):
         plain = tiny_vllm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
-        RolloutSample.from_vllm(plain[0], fetch_routed_experts(tiny_vllm, plain)[0], tiny_config)
+        RolloutSample.from_vllm(plain[0], fetch_captured_routing(tiny_vllm, plain)[0], tiny_config)

@@ -22,7 +22,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 from beam_rl.model.checkpoint import read_tensors, save_checkpoint  # noqa: E402
 from beam_rl.model.modeling import build_model, load_checkpoint  # noqa: E402
-from beam_rl.rollout.routing import fetch_routed_experts, moe_layers  # noqa: E402
+from beam_rl.rollout.routing import fetch_captured_routing, moe_layers  # noqa: E402
 from beam_rl.model import numerics  # noqa: E402
 from beam_rl.rollout.worker import (  # noqa: E402
     attention_probs_of_isa,
@@ -41,7 +41,7 @@ def prompts(n=4, vocab=512, seed=0):
 def greedy(llm, ps, max_tokens=64, **kw):
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False, **kw)
-    return outs, fetch_routed_experts(llm, outs)
+    return outs, fetch_captured_routing(llm, outs)
 
 
 def sampled_logprobs(out):
