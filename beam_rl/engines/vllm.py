@@ -159,7 +159,7 @@ def hybrid_kv_cache(s: EngineSettings) -> bool:
     path = os.path.join(s.model, "config.json")
     if not os.path.isfile(path):
         return True  # not a local checkpoint: vLLM's default
-    with open(path) as fh:
+    with open(path) as fh:  # the raw config, not `load_config`: benchmark peers are not Beam checkpoints
         hf = json.load(fh)
     window = hf.get("sliding_window")
     sliding = "sliding_attention" in (hf.get("layer_types") or [])

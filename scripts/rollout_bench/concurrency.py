@@ -25,7 +25,7 @@ import os
 import statistics
 import time
 
-from rollout_bench.harness import PROMPT_LEN, decode_at_batch, host_profile
+from rollout_bench.harness import PROMPT_LEN, decode_at_batch, host_profile, kv_cache_groups
 
 VARIANTS = {
     "beam-async": dict(model="beam", async_scheduling=True, r3="beam"),
@@ -90,8 +90,6 @@ def run_variant(args) -> dict:
     llm = start_vllm(settings) if peer else engine.llm
     start_s = time.time() - t0
     cfg = llm.llm_engine.vllm_config
-    from rollout_bench.harness import kv_cache_groups
-
     info = dict(async_scheduling=cfg.scheduler_config.async_scheduling, kv_cache_groups=kv_cache_groups(llm), cudagraph_mode=str(cfg.compilation_config.cudagraph_mode),
                 compilation_mode=str(cfg.compilation_config.mode), engine_args=engine_args)
     print(f"[{args.variant}] engine: {info}", flush=True)
