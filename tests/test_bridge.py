@@ -37,14 +37,21 @@ from beam_rl.model.checkpoint import load_config, read_tensors  # noqa: E402
 
 B, T = 2, 40  # T > sliding_window (16); even, for sequence parallelism
 LENGTHS, PROMPTS = torch.tensor([40, 29]), torch.tensor([1, 5])  # row 1 right-padded
+# SkyRL sets the alltoall dispatcher (beam-rl's own trainer uses allgather). Under expert parallelism
+# the two add a token's expert outputs in different orders (allgather: each rank's partial sum, then
+# the reduce-scatter; alltoall: one scatter-add in global expert order), so their FP32 sums can differ
+# in the last bit and a later BF16 rounding or router choice can flip: the bitwise comparison of the
+# bridge's model with the provider's is made under SkyRL's dispatcher.
+SKYRL_DISPATCH = dict(overrides=dict(moe_token_dispatcher_type="alltoall"))
 # world -> init_single_process kwargs, SkyRL-side provider sizes, the matching BeamModelProvider kwargs
 WORLDS = {
     "tp2-sp": dict(init=dict(tensor_parallel=2), skyrl=dict(tp=2),
-                   beam=dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+                   beam=dict(tensor_model_parallel_size=2, sequence_parallel=True, **SKYRL_DISPATCH)),
     # SkyRL's default expert TP (unset: ETP = TP)
     "tp2-sp-etp2": dict(init=dict(tensor_parallel=2, expert_tensor_parallel=2), skyrl=dict(tp=2, etp=2),
-                        beam=dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2)),
-    "ep2": dict(init=dict(expert_parallel=2), skyrl=dict(ep=2), beam=dict(expert_model_parallel_size=2)),
+                        beam=dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2,
+                                  **SKYRL_DISPATCH)),
+    "ep2": dict(init=dict(expert_parallel=2), skyrl=dict(ep=2), beam=dict(expert_model_parallel_size=2, **SKYRL_DISPATCH)),
 }
 
 
