@@ -9,10 +9,13 @@ kernel per MoE layer, inside the graph.
 `RequestRouting` (driven by the worker extension after every model step) never waits for the GPU:
 `file_step` enqueues a copy of the step's rows and positions into pinned host memory on the
 step's stream (ordered after the forward that wrote them, before the next step's writes) and
-keeps it with the step's request rows. Nothing per request happens per step: `pop` waits for the
-copies once, then assembles each request's array by position, the last write of a position
-winning (a preempted request's recompute overwrites its first pass, as in vLLM's slot buffer). So
-async scheduling keeps overlapping the host with the GPU. Each finished request gets the array
+keeps it with the step's request rows. Nothing per request happens per step in Python while the
+batch keeps its requests and their order (the usual decode step): the request-row array is reused
+and repeated by the step's token counts. `pop_many` waits for the copies once, then assembles
+each request's array by position, the last write of a position winning (a preempted request's
+recompute overwrites its first pass, as in vLLM's slot buffer). So async scheduling keeps
+overlapping the host with the GPU. A settled step keeps its ids in the returned dtype (uint8 for
+<= 256 experts), a quarter of the device buffer's int32. Each finished request gets the array
 vLLM returns in `CompletionOutput.routed_experts`: [prompt + generated - 1, num_hidden_layers,
 top_k], uint8 for <= 256 experts.
 """
@@ -39,11 +42,11 @@ class RoutingRecorder:
 
 @dataclass
 class _Step:
-    """One model step's rows: ids [n, layers, top_k] and positions [n] (host copies, maybe still in
-    flight until `ready`), and which request each row belongs to."""
+    """One model step's rows: ids [n, layers, top_k] and positions [n] (pinned host copies still in
+    flight until `ready`, then numpy arrays of their own), and which request each row belongs to."""
 
-    ids: torch.Tensor
-    positions: torch.Tensor
+    ids: torch.Tensor | np.ndarray
+    positions: torch.Tensor | np.ndarray
     rows_of: np.ndarray
     ready: torch.cuda.Event | None
 
@@ -62,16 +65,24 @@ class RequestRouting:
         self.request_ids: list[str] = []
         self._slots: list[tuple[torch.Tensor, torch.Tensor, list[_Step | None]]] = []
         self._next = 0
+        self._batch: tuple[list[str], np.ndarray] | None = None  # the last step's request ids and their indices
 
-    def file_step(self, req_ids: list[str], num_scheduled: list[int], positions: torch.Tensor) -> None:
-        total = sum(num_scheduled)
+    def file_step(self, req_ids: list[str], num_scheduled, positions: torch.Tensor) -> None:
+        """File this step: the model's first sum(num_scheduled) recorded rows, the rows of req_ids[i]
+        being the next num_scheduled[i] (vLLM's token order), with their positions."""
+        counts = np.asarray(num_scheduled, dtype=np.int64)
+        if counts.shape != (len(req_ids),):
+            raise ValueError(f"num_scheduled has shape {counts.shape}; expected one count per request ({len(req_ids)})")
+        total = int(counts.sum())
         if total == 0:
             return
-        rows_of = np.repeat(np.array([self._index(r) for r in req_ids], dtype=np.int32),
-                            np.asarray(num_scheduled, dtype=np.int64))
+        if self._batch is None or self._batch[0] != req_ids:
+            self._batch = (list(req_ids), np.array([self._index(r) for r in req_ids], dtype=np.int32))
+        rows_of = np.repeat(self._batch[1], counts)
         src_ids, src_pos = self.recorder.buffer[:total], positions[:total]
         if src_ids.device.type != "cuda":
-            self.steps.append(_Step(src_ids.clone(), src_pos.clone(), rows_of, None))
+            self.steps.append(_Step(src_ids.numpy().astype(self.recorder.np_dtype), src_pos.numpy().astype(np.int64),
+                                    rows_of, None))
             return
         ids_host, pos_host, user = self._slot()
         ids_host, pos_host = ids_host[:total], pos_host[:total]
@@ -104,13 +115,12 @@ class RequestRouting:
             user[0] = None
         return ids_host, pos_host, user
 
-    @staticmethod
-    def _settle(step: _Step) -> None:
+    def _settle(self, step: _Step) -> None:
         """Wait for the step's copy, then give it storage of its own (its pinned slot is reused)."""
         if step.ready is not None:
             step.ready.synchronize()
-            step.ids = step.ids.clone()
-            step.positions = step.positions.clone()
+            step.ids = step.ids.numpy().astype(self.recorder.np_dtype)
+            step.positions = step.positions.numpy().copy()
             step.ready = None
 
     def pop_many(self, req_ids: list[str]) -> dict[str, np.ndarray]:
@@ -121,8 +131,8 @@ class RequestRouting:
             return {}
         for step in self.steps:
             self._settle(step)
-        ids = np.concatenate([s.ids.numpy() for s in self.steps]).astype(self.recorder.np_dtype)
-        positions = np.concatenate([s.positions.numpy() for s in self.steps]).astype(np.int64)
+        ids = np.concatenate([s.ids for s in self.steps])
+        positions = np.concatenate([s.positions for s in self.steps])
         rows_of = np.concatenate([s.rows_of for s in self.steps])
         take = np.isin(rows_of, np.fromiter(wanted, dtype=np.int32))
         keep = ~take
@@ -140,10 +150,10 @@ class RequestRouting:
             arr = np.zeros((int(pos[-1]) + 1,) + ids.shape[1:], dtype=ids.dtype)  # positions never routed stay 0
             arr[pos] = ids[rows]
             out[wanted[int(rows_of[rows[0]])]] = arr
-        self.steps = [_Step(torch.from_numpy(ids[keep].astype(np.int32)), torch.from_numpy(positions[keep]),
-                            rows_of[keep], None)] if keep.any() else []
+        self.steps = [_Step(ids[keep], positions[keep], rows_of[keep], None)] if keep.any() else []
         for i in wanted:
             del self.request_index[self.request_ids[i]]
+        self._batch = None  # a popped id filed again gets a new index
         return out
 
     def known(self) -> list[str]:

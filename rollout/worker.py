@@ -20,6 +20,7 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from beam_rl.model.numerics import AttentionNumerics, round_to
@@ -87,6 +88,18 @@ def engine_attention_isa(llm) -> str | None:
     return isas.pop() if isas else None
 
 
+def scheduled_token_counts(runner, scheduler_output, req_ids: list[str]) -> np.ndarray:
+    """Tokens this step fed per request of the batch, in its order: the differences of the model
+    runner's query_start_loc, which the step's input preparation just filled (no Python per request);
+    from the scheduler's dict where a runner keeps no such host array."""
+    start = getattr(getattr(runner, "query_start_loc", None), "np", None)
+    if start is not None and len(start) > len(req_ids):
+        counts = np.diff(start[: len(req_ids) + 1])
+        if int(counts.sum()) == scheduler_output.total_num_scheduled_tokens:
+            return counts
+    return np.array([scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids], dtype=np.int64)
+
+
 class BeamWorkerExtension:
     def _beam_model(self):
         return self.model_runner.get_model() if hasattr(self.model_runner, "get_model") else self.model_runner.model
@@ -106,10 +119,9 @@ class BeamWorkerExtension:
 
         def execute_model(scheduler_output, *args, **kwargs):
             out = original(scheduler_output, *args, **kwargs)
-            req_ids = list(runner.input_batch.req_ids)
-            counts = [scheduler_output.num_scheduled_tokens.get(r, 0) for r in req_ids]
+            req_ids = runner.input_batch.req_ids
             positions = getattr(runner.positions, "gpu", runner.positions)
-            self._beam_routing.file_step(req_ids, counts, positions)
+            self._beam_routing.file_step(req_ids, scheduled_token_counts(runner, scheduler_output, req_ids), positions)
             return out
 
         runner.execute_model = execute_model

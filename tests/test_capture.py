@@ -5,6 +5,7 @@ recomputed prompt's by its recompute; rows past the request's end are cut by
 `fetch_captured_routing`'s length; requests sharing steps are split apart."""
 
 import numpy as np
+import pytest
 import torch
 
 from beam_rl.rollout.capture import RequestRouting, RoutingRecorder
@@ -79,3 +80,28 @@ def test_requests_sharing_steps_get_their_own_rows_and_the_rest_stay():
         assert first[req].dtype == np.uint8 and np.array_equal(first[req], expected(req))
     assert np.array_equal(routing.pop_many(["b"])["b"], expected("b"))
     assert routing.known() == [] and routing.pop_many(["a"]) == {}
+
+
+def test_a_popped_request_id_filed_again_gets_its_own_rows():
+    """The request-row array is reused while the batch keeps its ids; popping resets it, so an id
+    vLLM reuses after its request was popped (same batch order) files into a fresh entry."""
+    recorder = RoutingRecorder(max_tokens=16, num_layers=L, top_k=K, num_experts=16)
+    routing = RequestRouting(recorder)
+    for position in range(3):  # "r" and "s" decode together: the same batch each step
+        step_rows = [routing_of(1, position), routing_of(2, position)]
+        for layer in range(L):
+            recorder.record(layer, torch.stack([r[layer] for r in step_rows]))
+        routing.file_step(["r", "s"], [1, 1], torch.tensor([position, position]))
+    first = routing.pop_many(["r", "s"])
+    assert np.array_equal(first["s"], np.stack([routing_of(2, p).numpy() for p in range(3)]))
+    for layer in range(L):
+        recorder.record(layer, torch.stack([routing_of(3, 0)[layer], routing_of(4, 0)[layer]]))
+    routing.file_step(["r", "s"], [1, 1], torch.tensor([0, 0]))
+    again = routing.pop_many(["r", "s"])
+    assert np.array_equal(again["r"], routing_of(3, 0).numpy()[None]) and np.array_equal(again["s"], routing_of(4, 0).numpy()[None])
+
+
+def test_a_count_per_request_is_required():
+    routing = RequestRouting(RoutingRecorder(max_tokens=4, num_layers=L, top_k=K, num_experts=16))
+    with pytest.raises(ValueError, match=r"one count per request \(2\)"):
+        routing.file_step(["a", "b"], [1], torch.tensor([0]))
