@@ -6,9 +6,10 @@ own capture (`enable_return_routed_experts`) instead of beam-rl's; vLLM's Qwen3-
 with beam-mini's dimensions and random weights (`load_format="dummy"`), the peer.
 
 - Decode at batch B: ms per step = (t(1 + N tokens) - t(1 token)) / N with B distinct 32-token
-  prompts in flight (`harness.decode_at_batch`: medians of the repeats, GPU ms per step from one
-  profiled pass). With beam-rl's capture each timed generate also collects every request's routing
-  (`fetch_captured_routing`), as a rollout does.
+  prompts in flight (`harness.decode_at_batch_interleaved`: medians of the repeats, GPU ms per step
+  from one profiled pass). With beam-rl's capture each timed generate also collects every request's
+  routing (`fetch_captured_routing`), as a rollout does; capture off and on alternate repeat by
+  repeat in the one engine, so the host's drift over the run falls on both.
 - Routing: one greedy generate of `ROUTING_BATCH` prompts; its tokens and routing are digested so
   the parent can compare variants (async vs sync scheduling); where both captures run, beam-rl's
   arrays are compared with vLLM's in this process.
@@ -25,7 +26,7 @@ import os
 import statistics
 import time
 
-from rollout_bench.harness import PROMPT_LEN, decode_at_batch, host_profile, kv_cache_groups
+from rollout_bench.harness import PROMPT_LEN, decode_at_batch_interleaved, host_profile, kv_cache_groups
 
 VARIANTS = {
     "beam-async": dict(model="beam", async_scheduling=True, r3="beam"),
@@ -96,6 +97,12 @@ def run_variant(args) -> dict:
     vocab = cfg.model_config.hf_config.vocab_size
     capture = {"on": False}
 
+    def capturing(on: bool) -> None:
+        """beam-rl's capture filing on or off (the model records either way; only filing costs)."""
+        if on != capture["on"]:
+            llm.collective_rpc("beam_start_routing_capture" if on else "beam_stop_routing_capture")
+            capture["on"] = on
+
     def timed(prompts, max_tokens):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         t = time.perf_counter()
@@ -104,27 +111,37 @@ def run_variant(args) -> dict:
             fetch_captured_routing(llm, outs)
         return time.perf_counter() - t
 
-    def at_batches(key: str, label: str) -> None:
-        rows = result["decode"][key] = {}
+    def timed_with(on: bool):
+        def run(prompts, max_tokens):
+            capturing(on)
+            return timed(prompts, max_tokens)
+        return run
+
+    def at_batches(modes: dict[str, bool], label: str) -> None:
+        """Every batch size, the modes ({key: beam-rl capture on}) interleaved repeat by repeat."""
+        timers = {key: timed_with(on) for key, on in modes.items()}
+        for key in modes:
+            result["decode"][key] = {}
         for b in batches:
-            rows[str(b)] = decode_at_batch(timed, b, vocab, args.decode_tokens, args.repeats, args.gpu_time)
-            print(f"[{args.variant}] {label} batch {b}: {rows[str(b)]['decode_ms']:.3f} ms/step, "
-                  f"GPU {rows[str(b)].get('decode_gpu_ms', float('nan')):.3f} ms/step", flush=True)
+            got = decode_at_batch_interleaved(timers, b, vocab, args.decode_tokens, args.repeats, args.gpu_time)
+            for key, m in got.items():
+                result["decode"][key][str(b)] = m
+                print(f"[{args.variant}] {label[key]} batch {b}: {m['decode_ms']:.3f} ms/step, "
+                      f"GPU {m.get('decode_gpu_ms', float('nan')):.3f} ms/step", flush=True)
         if args.host_profile:
             top = max(batches)
             prompts = [[(i * 7919 + j * 104729 + 7) % vocab for i in range(PROMPT_LEN)] for j in range(top)]
-            result["host_profile"][key] = dict(batch=top, **host_profile(lambda: timed(prompts, 1 + args.decode_tokens),
-                                                                          args.decode_tokens + 1))
+            for key, timed_mode in timers.items():
+                result["host_profile"][key] = dict(batch=top, **host_profile(lambda: timed_mode(prompts, 1 + args.decode_tokens),
+                                                                              args.decode_tokens + 1))
 
     result = dict(variant=args.variant, **v, engine=info, engine_start_s=start_s, decode={}, host_profile={})
     if v["r3"] == "vllm":
-        at_batches("vLLM", "R3 vLLM")
+        at_batches({"vLLM": False}, {"vLLM": "R3 vLLM"})
+    elif v["r3"] == "beam":
+        at_batches({"off": False, "beam-rl": True}, {"off": "R3 off", "beam-rl": "R3 beam-rl"})
     else:
-        at_batches("off", "R3 off")
-        if v["r3"] == "beam":
-            llm.collective_rpc("beam_start_routing_capture")
-            capture["on"] = True
-            at_batches("beam-rl", "R3 beam-rl")
+        at_batches({"off": False}, {"off": "R3 off"})
     if not peer:
         result["routing"] = routing_digest(llm, vocab, v["r3"])
     if not peer and args.weight_update:

@@ -135,12 +135,28 @@ def decode_at_batch(timed, batch: int, vocab: int, n: int, repeats: int, with_gp
     them apart), measured like batch 1: (t(1 + n tokens) - t(1)) / n, medians of `repeats`, the python
     probe around each repeat; with `with_gpu_time` also GPU ms and kernels per step. Where batch 1 is
     bound by vLLM's host work, this shows at what batch the GPU work per step takes over."""
+    return decode_at_batch_interleaved({"": timed}, batch, vocab, n, repeats, with_gpu_time)[""]
+
+
+def decode_at_batch_interleaved(timers: dict, batch: int, vocab: int, n: int, repeats: int, with_gpu_time: bool) -> dict:
+    """`decode_at_batch` of several modes of one engine ({mode: timed}, e.g. R3 capture off and on),
+    each repeat timing every mode in turn: the host's speed drifts within a run (the H200's by up to
+    2x between calls), and interleaving puts that drift on all modes alike. {mode: result}."""
     prompts = [[(i * 7919 + j * 104729) % vocab for i in range(PROMPT_LEN)] for j in range(batch)]
-    timed(prompts, 8)  # warm-up (and this batch size's first graph replay)
-    times, probes, steal = probed_repeats(lambda: decode_ms_per_step(timed, prompts, n), repeats)
-    out = dict(decode_ms=statistics.median(times), decode_ms_all=times, decode_probe_pairs_ms=probes,
-               decode_steal_fraction_all=steal)
-    return dict(out, **decode_gpu(timed, prompts, n)) if with_gpu_time else out
+    for timed in timers.values():
+        timed(prompts, 8)  # warm-up (and this batch size's first graph replay)
+    runs = {mode: ([], [], []) for mode in timers}
+    for _ in range(repeats):
+        for mode, timed in timers.items():
+            for into, got in zip(runs[mode], probed_repeats(lambda: decode_ms_per_step(timed, prompts, n), 1)):
+                into.extend(got)
+    out = {}
+    for mode, (times, probes, steal) in runs.items():
+        out[mode] = dict(decode_ms=statistics.median(times), decode_ms_all=times, decode_probe_pairs_ms=probes,
+                         decode_steal_fraction_all=steal)
+        if with_gpu_time:
+            out[mode].update(decode_gpu(timers[mode], prompts, n))
+    return out
 
 
 def decode_ms_per_step(timed, prompts: list[list[int]], n: int) -> float:
