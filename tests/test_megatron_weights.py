@@ -14,7 +14,7 @@ from beam_rl.megatron.convert import Layout, export_hf, hf_to_megatron, shard, u
 from beam_rl.model.names import MAPPINGS, mapping_for  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
-from beam_rl.megatron.mxfp8 import mxfp8_fake_quant, mxfp8_quantize  # noqa: E402
+from beam_rl.megatron.mxfp8 import mxfp8_fake_quant, mxfp8_quantize, served_weights  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
 from beam_rl.model.weights import checkpoint_tensors  # noqa: E402
 
@@ -142,6 +142,25 @@ def test_mxfp8_emulation_changes_logprobs_boundedly(world, tiny_model, tiny_conf
     # A random beam-tiny has peaked logits (unit-variance stream, no training), so 3-bit mantissas
     # move its log-probs more than a trained model's; the bound guards against a broken quantiser.
     assert 0 < gap.mean().item() < 0.25
+
+
+def test_mxfp8_served_weights_are_what_the_linears_compute_with(world, tiny_model, tiny_config):
+    """The export a rollout serves (`served_weights`): every emulated-MXFP8 linear's weight (attention
+    q/k/v/gate/o, dense and expert gate/up/down) quantised and dequantised, exactly as its forward
+    uses it, the rest (router, norms, embeddings, LM head) untouched; the plain export (checkpoints)
+    keeps the unquantised weights. A BF16 model has nothing to transform."""
+    model = build(tiny_config, tiny_model, "mxfp8-emulated")
+    plain, served = dict(export_hf(model, tiny_config)), dict(export_hf(model, tiny_config, transform=served_weights(model)))
+    assert list(plain) == list(served) and torch.equal(plain["model.layers.0.self_attn.q_proj.weight"],
+                                                       tiny_model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+    quantised = [n for n in plain if n.endswith("_proj.weight")]  # the router is mlp.gate.weight
+    moe = tiny_config.num_moe_layers
+    assert len(quantised) == tiny_config.num_hidden_layers * 5 + 3 * (moe * tiny_config.num_experts + tiny_config.num_hidden_layers - moe)
+    for name in plain:
+        want = mxfp8_fake_quant(plain[name]) if name in quantised else plain[name]
+        assert served[name].dtype == plain[name].dtype and torch.equal(served[name], want), name
+    assert not torch.equal(served[quantised[0]], plain[quantised[0]])
+    assert served_weights(build(tiny_config, tiny_model, "bf16")) is None
 
 
 def test_unknown_provider_mode_names_the_choices(tiny_config):

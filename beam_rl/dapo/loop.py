@@ -137,7 +137,7 @@ class Job:
         ckpt, state = self._claim_run_dir(resume, overwrite)
         self._build_policy(ckpt, state)
         self.metrics = MetricsWriter(self.run_dir, resume_step=self.start_step if ckpt else None)
-        base_tensors = self.policy.export(merged=self.lora and recipe.train.lora.merge)
+        base_tensors = self.policy.export(merged=self.lora and recipe.train.lora.merge, served=True)
         nbytes = sum(t.numel() * t.element_size() for t in base_tensors.values())
         self.engine_root, self._remove_engine_root = sync_root(self.run_dir, recipe.rollout.sync_dir, nbytes)
         try:
@@ -291,7 +291,7 @@ class Job:
             self.adapter = self._sync_adapter(step)
             nbytes = self.adapter_bytes
         else:
-            tensors = self.policy.export(merged=True, on_device=True)  # straight into the engine: no files
+            tensors = self.policy.export(merged=True, on_device=True, served=True)  # straight into the engine: no files
             self.engine.load_weights(tensors, checksums_of(tensors.items()))
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         dt = time.perf_counter() - t0

@@ -117,10 +117,10 @@ def _evaluator(recipe, config, task, tok, root, engine):
 
     def evaluate(policy) -> float:
         if held["engine"] is None:
-            path, _ = _engine_dir(root, policy.export(merged=False), config)
+            path, _ = _engine_dir(root, policy.export(merged=False, served=True), config)
             held["engine"] = start_rollout_engine(Job.engine_settings(recipe, path))
         else:
-            tensors = policy.export(merged=False, on_device=True)
+            tensors = policy.export(merged=False, on_device=True, served=True)
             held["engine"].load_weights(tensors, checksums_of(tensors.items()))
         return heldout_avg(held["engine"], task, tok, recipe)
 

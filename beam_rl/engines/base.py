@@ -215,10 +215,13 @@ class TrainerBackend(ABC):
         `loss`'s metrics over the batches, plus "loss" (summed) and "grad_norm" (before clipping)."""
 
     @abstractmethod
-    def export(self, *, merged: bool = True, on_device: bool = False) -> dict[str, torch.Tensor]:
+    def export(self, *, merged: bool = True, on_device: bool = False, served: bool = False) -> dict[str, torch.Tensor]:
         """Full HF-named weights (LoRA deltas merged into the base when `merged`), copied to the CPU,
         or with `on_device` left on the trainer's device, possibly sharing the trainer's storage
-        (for an in-memory sync; do not step the trainer while they are in use)."""
+        (for an in-memory sync; do not step the trainer while they are in use). `served`: the
+        weights a rollout engine must serve to compute what the trainer's forward computes (mode
+        mxfp8: the linears' weights as quantised to MXFP8, dequantised); otherwise the weights
+        themselves, which is what checkpoints keep (mxfp8's unquantised weights)."""
 
     @abstractmethod
     def save_adapter(self, path: str | os.PathLike, base: str = "") -> dict[str, torch.Tensor]:

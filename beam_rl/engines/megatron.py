@@ -160,11 +160,12 @@ class MegatronTrainer(TrainerBackend):
         return loss.item()
 
     # -- weights out ---------------------------------------------------------------------------
-    def export(self, *, merged: bool = True, on_device: bool = False) -> dict[str, torch.Tensor]:
+    def export(self, *, merged: bool = True, on_device: bool = False, served: bool = False) -> dict[str, torch.Tensor]:
         from beam_rl.megatron.convert import export_hf
         from beam_rl.megatron.lora import export_merged
+        from beam_rl.megatron.mxfp8 import served_weights
 
-        items = export_hf(self.model, self.config)
+        items = export_hf(self.model, self.config, transform=served_weights(self.model) if served else None)
         if self.lora_settings and merged:
             items = export_merged(items, self.model)
         if on_device:

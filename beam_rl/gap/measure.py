@@ -13,7 +13,7 @@ trainer, R3 on and off.
 
 Modes (`TRAIN_MODES`): `bf16` (BF16 full fine-tuning weights), `lora` (a seeded random LoRA adapter
 with non-zero B on both sides: the trainer's adapter, served by vLLM from the PEFT directory the
-trainer saved), `mxfp8` (Megatron with emulated MXFP8 linears vs the BF16 rollout). The engines are
+trainer saved), `mxfp8` (Megatron with emulated MXFP8 linears vs a BF16 rollout serving the same quantised weights). The engines are
 reached through `beam_rl.engines`; the router tap and the adapter's B are the Megatron trainer's
 own modules (`MegatronTrainer.model`).
 
@@ -226,7 +226,8 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
     is started and shut down here. The trainer defines attention as the engine reports computing it."""
     import numpy as np
 
-    from beam_rl.model.checkpoint import load_config, verify_checkpoint
+    from beam_rl.engines.base import checksums_of
+    from beam_rl.model.checkpoint import load_config, read_tensors, verify_checkpoint
     from beam_rl.model.presets import get_preset
 
     if opts.mode not in MODES:
@@ -251,20 +252,28 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
         lora = TRAIN_MODES[opts.mode].lora
 
         verify_checkpoint(checkpoint)  # every tensor checked before an engine starts on the directory
-        trainer, lora_dir = None, None
+        trainer, lora_dir, served = None, None, None
         if lora:  # the adapter must exist before vLLM samples with it
             trainer = build_gap_trainer(checkpoint, config, opts)
             lora_dir = tmp / "adapter"
             trainer.save_adapter(lora_dir, base=checkpoint)
+        elif opts.mode == "mxfp8":  # the rollout serves the weights the trainer computes with, as `beam-rl dapo` syncs them
+            trainer = build_gap_trainer(checkpoint, config, opts)
+            served = trainer.export(served=True)
         own_engine = engine is None
         if own_engine:
             engine = start_rollout_engine(engine_settings(checkpoint, opts, max_model_len=max_len + 1))
         try:
+            if served is not None:
+                engine.load_weights(served, checksums_of(served.items()))
             batch = rollout(engine, prompts, opts, lora_dir)
             attention = engine.attention_numerics
         finally:
             if own_engine:
                 engine.shutdown()
+            elif served is not None:  # a caller's engine gets its checkpoint's weights back
+                original = dict(read_tensors(checkpoint, config))
+                engine.load_weights(original, checksums_of(original.items()))
         if trainer is None:  # after the engine: an in-process engine's shutdown tears down torch.distributed's default group
             trainer = build_gap_trainer(checkpoint, config, opts)
         trainer.set_attention_numerics(attention)  # as this engine computed attention

@@ -11,7 +11,7 @@ from beam_rl.gap.bounds import BOUNDS
 
 MODES = sorted(TRAIN_MODES)
 """Trainer modes the gap is measured for: bf16 (BF16 weights), lora (a seeded random LoRA adapter
-on both sides), mxfp8 (Megatron with emulated MXFP8 linears vs the BF16 rollout)."""
+on both sides), mxfp8 (Megatron with emulated MXFP8 linears vs a BF16 rollout serving the same quantised weights)."""
 
 
 def _opt(default, help: str, **kw):

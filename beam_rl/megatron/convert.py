@@ -24,7 +24,7 @@ exact (router tensors stay FP32).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -175,12 +175,14 @@ def _gather(t: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def export_hf(model: torch.nn.Module, config: BeamConfig, layout: Layout = Layout(), *, tp_group=None, ep_group=None,
-              etp_group=None) -> Iterator[tuple[str, torch.Tensor]]:
+              etp_group=None, transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+              ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream (HF name, full tensor) from a Megatron Beam model, in checkpoint order, one tensor
     at a time (weight sync). TP / EP / expert-TP shards are all-gathered over `tp_group` /
     `ep_group` / `etp_group` (Megatron's get_expert_tensor_parallel_group(); not needed with
     ETP = 1, and `tp_group` serves when ETP = TP); every rank of those groups must iterate
-    together. Layers of other pipeline stages are skipped."""
+    together. Layers of other pipeline stages are skipped. `transform(megatron name, local shard)`
+    is applied to each rank's shard before the gather (what that rank's forward computes with)."""
     inner = getattr(model, "module", model)
     layout = layout.for_model(inner)
     etp_size = layout.expert_tp[1]
@@ -206,17 +208,22 @@ def export_hf(model: torch.nn.Module, config: BeamConfig, layout: Layout = Layou
         if "expert" in idx:
             # Every EP rank holds expert e % per_rank; all-gather it and pick the owner's copy.
             local["expert"] = idx["expert"] % per_rank
-            t = own[m.megatron.format(**local)].detach()
+            t = _local(own, m.megatron.format(**local), transform)
             t = _gather(t, ep_group)[idx["expert"] // per_rank]
             group = etp_group
         else:
-            t = own[m.megatron.format(**local)].detach()
+            t = _local(own, m.megatron.format(**local), transform)
             group = tp_group
         tensors = unshard(_gather(t, group), m.shard) if m.shard != "replicated" else (t,)
         for pattern, tensor in zip(m.hf, tensors):
             hf_name = pattern.format(**idx)
             done.add(hf_name)
             yield hf_name, tensor
+
+
+def _local(own: dict, name: str, transform) -> torch.Tensor:
+    t = own[name].detach()
+    return t if transform is None else transform(name, t)
 
 
 def iter_to_dict(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

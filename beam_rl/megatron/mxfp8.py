@@ -77,3 +77,20 @@ class MXFP8RowParallelLinear(RowParallelLinear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _wrap_forward_impl(self)
+
+
+def served_weights(model: torch.nn.Module):
+    """`convert.export_hf`'s transform giving each emulated-MXFP8 linear's weight as its forward
+    computes with it (quantised, dequantised: exact in BF16), so a rollout engine serves the
+    trainer's quantised weights and the trainer-rollout gap is only what quantised activations
+    add; None for a model without MXFP8 linears. Names are relative to `model.module` where the
+    model is wrapped, as `export_hf` reads them."""
+    inner = getattr(model, "module", model)
+    names = {f"{n}.weight" for n, m in inner.named_modules() if isinstance(m, (MXFP8ColumnParallelLinear, MXFP8RowParallelLinear))}
+    if not names:
+        return None
+
+    def transform(name: str, t: torch.Tensor) -> torch.Tensor:
+        return mxfp8_fake_quant(t) if name in names else t
+
+    return transform
