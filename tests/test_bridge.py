@@ -259,6 +259,34 @@ def test_refuses_what_beam_cannot_honour(bridge, field, value, match):
         provider.check_beam()
 
 
+def test_mxfp8_weight_sync_serves_the_quantised_weights(bridge, ckpt, monkeypatch):
+    """SkyRL with beam_mode=mxfp8-emulated: its weight sync (`MegatronWeightExtractor.extract_weights`,
+    patched by `serve_mxfp8_weights`) sends each linear's weight as the trainer's forward computes
+    with it (MXFP8 quantised, dequantised); the bridge's plain export (HF saves) keeps the
+    checkpoint's weights."""
+    from beam_rl.megatron.mxfp8 import mxfp8_fake_quant
+    from beam_rl.skyrl import patches as P
+
+    _, hf = ckpt
+    provider = skyrl_settings(bridge.to_megatron_provider())
+    provider.beam_mode = "mxfp8-emulated"
+    model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True, bf16=True)
+    assert not mismatches(hf, dict(bridge.export_hf_weights(model, cpu=True, show_progress=False)))
+    worker = skyrl_module(P.MEGATRON_WORKER)
+    cls = worker.MegatronWeightExtractor
+    monkeypatch.setattr(cls, "extract_weights", P.original(cls.extract_weights))
+    P.serve_mxfp8_weights(worker)
+    P.serve_mxfp8_weights(worker)  # idempotent
+    sent = {n: t for c in cls(bridge, model, enable_bucketing=False).extract_weights(torch.bfloat16)
+            for n, t in zip(c.names, c.tensors)}
+    linears = [n for n in hf if n.endswith("_proj.weight")]
+    assert set(sent) == set(hf) and linears
+    for name, t in hf.items():
+        want = mxfp8_fake_quant(t) if name in linears else t.to(torch.bfloat16)
+        assert torch.equal(sent[name].cpu(), want), name
+    assert not torch.equal(sent[linears[0]].cpu(), hf[linears[0]])
+
+
 def test_skyrl_lora_wraps_the_recipe_targets_and_merges_into_the_export(bridge, ckpt):
     """recipes/skyrl/dapo-lora.yaml through SkyRL's own `configure_lora` and pre-wrap hook: Megatron-
     Bridge's LoRA wraps exactly the recipe's targets in Beam's layers (without Transformer Engine),

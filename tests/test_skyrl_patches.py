@@ -42,7 +42,7 @@ def fresh(monkeypatch, owner, *attrs):
 # -- versions ------------------------------------------------------------------------------------------
 PATCH_FUNCTIONS = [P.reuse_port_socket, P.load_weights_via_update_target, P.clear_replay_per_schedule,
                    P.distinct_padding_routes, P.sequence_major_routes, P.keep_routes_through_filter,
-                   P.zero_reward_on_non_stop_batched, P.keep_fp32_routers, P.router_pd_flag, P.apply_all]
+                   P.zero_reward_on_non_stop_batched, P.keep_fp32_routers, P.serve_mxfp8_weights, P.router_pd_flag, P.apply_all]
 
 
 @pytest.mark.parametrize("fn", PATCH_FUNCTIONS, ids=lambda f: f.__name__)
@@ -482,7 +482,7 @@ replay = importlib.import_module({P.REPLAY_UTILS!r})
 from beam_rl.skyrl.patches import _patched
 assert _patched(replay._split_replay_indices, "distinct_padding_routes") and _patched(replay._split_replay_indices, "sequence_major_routes")
 worker = importlib.import_module({P.MEGATRON_WORKER!r})  # needs Megatron-Bridge: registered just before
-assert worker.MegatronWeightExtractor.extract_weights.__beam_rl_patch__ == "keep_fp32_routers"
+assert all(_patched(worker.MegatronWeightExtractor.extract_weights, p) for p in ("keep_fp32_routers", "serve_mxfp8_weights"))
 import transformers
 assert transformers.BeamForCausalLM.__module__.startswith("beam_rl")
 print("ok")

@@ -28,7 +28,9 @@ arrives with the wrong values otherwise); routed experts keep their
 SequentialMLP names and map the local expert to the global one (EP rank x experts per rank + local)
 on load and export, where 0.3.1 maps only grouped-GEMM names and its EP gather parses the expert
 from a `weight<N>` suffix these names lack; and a Megatron tensor without a loaded HF tensor is an
-error, not a silently skipped task. Every tensor keeps its dtype: routers stay FP32.
+error, not a silently skipped task. Every tensor keeps its dtype: routers stay FP32. Under
+`mxfp8.serving_weights()` (SkyRL's weight sync) the emulated-MXFP8 linears export the weights
+their forward computes with (`_Contiguous.megatron_to_hf`), as `TrainerBackend.export(served=True)`.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from megatron.bridge.models.gpt_provider import GPTModelProvider  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig as CoreTransformerConfig  # noqa: E402
 
+from beam_rl.megatron import mxfp8  # noqa: E402
 from beam_rl.megatron.layers import BeamGPTModel  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
 from beam_rl.model.config import BeamConfig  # noqa: E402
@@ -157,6 +160,14 @@ class _Contiguous:
 
     def broadcast_tensor_to_tp_ranks(self, tensor, src_rank: int = 0):
         return super().broadcast_tensor_to_tp_ranks(tensor.contiguous(), src_rank)
+
+    def megatron_to_hf(self, megatron_weights, megatron_module):
+        """Under `mxfp8.serving_weights()` (weight sync), an emulated-MXFP8 linear's weight leaves as its
+        forward computes with it: this rank's shard quantised and dequantised before the gather."""
+        if (megatron_weights is not None and mxfp8.serving() and mxfp8.is_mxfp8_linear(megatron_module)
+                and str(self.megatron_param).endswith(".weight")):
+            megatron_weights = mxfp8.mxfp8_fake_quant(megatron_weights)
+        return super().megatron_to_hf(megatron_weights, megatron_module)
 
 
 class _Expert:

@@ -14,6 +14,8 @@ router (FP32), embeddings and LM head stay BF16/FP32, as in TE's MXFP8 recipe.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -86,7 +88,7 @@ def served_weights(model: torch.nn.Module):
     add; None for a model without MXFP8 linears. Names are relative to `model.module` where the
     model is wrapped, as `export_hf` reads them."""
     inner = getattr(model, "module", model)
-    names = {f"{n}.weight" for n, m in inner.named_modules() if isinstance(m, (MXFP8ColumnParallelLinear, MXFP8RowParallelLinear))}
+    names = {f"{n}.weight" for n, m in inner.named_modules() if is_mxfp8_linear(m)}
     if not names:
         return None
 
@@ -94,3 +96,27 @@ def served_weights(model: torch.nn.Module):
         return mxfp8_fake_quant(t) if name in names else t
 
     return transform
+
+
+_serving = [0]
+
+
+@contextlib.contextmanager
+def serving_weights():
+    """Megatron-Bridge's `export_hf_weights` inside this context exports what a rollout must serve:
+    each emulated-MXFP8 linear's weight quantised and dequantised (`bridge_model`'s mappings read
+    `serving()`); outside it, the weights themselves (checkpoints, HF saves). SkyRL's weight sync
+    runs its export inside it (`beam_rl.skyrl.patches.serve_mxfp8_weights`)."""
+    _serving[0] += 1
+    try:
+        yield
+    finally:
+        _serving[0] -= 1
+
+
+def serving() -> bool:
+    return _serving[0] > 0
+
+
+def is_mxfp8_linear(module) -> bool:
+    return isinstance(module, (MXFP8ColumnParallelLinear, MXFP8RowParallelLinear))

@@ -16,6 +16,7 @@ marks what it replaced, so a second call changes nothing.
 | `keep_routes_through_filter` | `trainer_utils.filter_generator_output` | none known |
 | `zero_reward_on_non_stop_batched` | `SkyRLGymGenerator.generate_batched` | none known |
 | `keep_fp32_routers` | `MegatronWeightExtractor`, `CudaIpcWeightTransferSender` | none (HEAD still casts) |
+| `serve_mxfp8_weights` | `MegatronWeightExtractor.extract_weights` | none (beam-rl's emulated MXFP8) |
 | `router_pd_flag` | `vllm_router.VLLMRouter.start` (vllm-router >= 0.1.16) | none |
 
 `apply_all()` checks the version once, then applies each patch when SkyRL imports its target
@@ -350,7 +351,7 @@ def split_by_dtype(chunk, dtype, chunk_cls):
 
 def _fp32_extractor(module: ModuleType) -> None:
     cls = module.MegatronWeightExtractor
-    if _patched(cls.extract_weights):
+    if _patched(cls.extract_weights, "keep_fp32_routers"):
         return
     extract, metadata = cls.extract_weights, cls.get_weight_metadata
     chunk_cls = module.WeightChunk
@@ -369,6 +370,37 @@ def _fp32_extractor(module: ModuleType) -> None:
 
     cls.extract_weights = _mark(extract_weights, "keep_fp32_routers")
     cls.get_weight_metadata = _mark(get_weight_metadata, "keep_fp32_routers")
+
+
+# -- e. the MXFP8 trainer's quantised weights through weight sync ------------------------------------
+def serve_mxfp8_weights(module: ModuleType | None = None) -> None:
+    """SkyRL's weight sync exports the Megatron weights as they are; with `beam_mode=mxfp8-emulated`
+    the trainer's forward computes with each linear's weight quantised to MXFP8, so the rollout
+    would serve other weights than the trainer computes with. Patched: `extract_weights` runs its
+    export under `beam_rl.megatron.mxfp8.serving_weights()`, so those linears leave quantised and
+    dequantised (exact in BF16) and a BF16 rollout computes with the trainer's weights; other modes
+    have no MXFP8 linear and export unchanged, and SkyRL's HF saves (outside weight sync) keep the
+    unquantised weights. No upstream fix: the emulated MXFP8 is beam-rl's."""
+    require_skyrl("serve_mxfp8_weights", "no upstream fix")
+    if module is None:
+        if MEGATRON_WORKER not in sys.modules:
+            from beam_rl.megatron.bridge import import_megatron_bridge
+
+            import_megatron_bridge()
+        module = skyrl_module(MEGATRON_WORKER)
+    cls = module.MegatronWeightExtractor
+    if _patched(cls.extract_weights, "serve_mxfp8_weights"):
+        return
+    extract = cls.extract_weights
+
+    @functools.wraps(extract)
+    def extract_weights(self, dtype):
+        from beam_rl.megatron.mxfp8 import serving_weights
+
+        with serving_weights():
+            yield from extract(self, dtype)
+
+    cls.extract_weights = _mark(extract_weights, "serve_mxfp8_weights")
 
 
 def _fp32_ipc_sender(module: ModuleType) -> None:
@@ -456,6 +488,7 @@ PATCHES = {
     "keep_routes_through_filter": "no upstream fix",
     "zero_reward_on_non_stop_batched": "no upstream fix",
     "keep_fp32_routers": "no upstream fix",
+    "serve_mxfp8_weights": "no upstream fix",
     "router_pd_flag": "no upstream fix",
 }
 
@@ -473,6 +506,7 @@ def apply_all() -> None:
     after_import(TRAINER_UTILS, keep_routes_through_filter)
     after_import(GYM_GENERATOR, zero_reward_on_non_stop_batched)
     after_import(MEGATRON_WORKER, _apply_fp32_extractor)
+    after_import(MEGATRON_WORKER, serve_mxfp8_weights)
     after_import(CUDA_IPC, _apply_fp32_ipc_sender)
     after_import(ROUTER, router_pd_flag)
 
