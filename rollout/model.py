@@ -17,7 +17,7 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import SupportsLoRA
+from vllm.model_executor.models.interfaces import SupportsEagle3, SupportsLoRA
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.sequence import IntermediateTensors
 
@@ -87,6 +87,7 @@ class BeamModel(nn.Module):
         )
         self.norm = ops.NormWeight(config.hidden_size)
         self.positional_tables = ops.PositionalTables(layer.self_attn.positional for layer in self.layers)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -97,13 +98,21 @@ class BeamModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final normed hidden states; with `aux_hidden_state_layers` set (a drafter reads the
+        target's states), also the residual streams entering those layers (vLLM's aux index i: the
+        stream after 0-based layer i - 1, which DFlash's `target_layer_ids` name as i - 1)."""
         residual = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)  # residual add 1
         x = ops.rms_norm(residual, self.layers[0].input_layernorm.weight, self.config.rms_norm_eps)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                aux.append(residual)
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             residual, x = layer(positions, residual, x, next_norm.weight)
-        return x
+        if len(self.layers) in self.aux_hidden_state_layers:
+            aux.append(residual)
+        return (x, aux) if self.aux_hidden_state_layers else x
 
 
 class BeamLMHead(ParallelLMHead):
@@ -122,7 +131,7 @@ class BeamLMHead(ParallelLMHead):
         super().weight_loader(param, loaded_weight.to(self.model_dtype))
 
 
-class BeamForCausalLM(nn.Module, SupportsLoRA):
+class BeamForCausalLM(nn.Module, SupportsLoRA, SupportsEagle3):
     """vLLM entry point for `architectures: ["BeamForCausalLM"]` (registered by beam_rl.rollout).
 
     LoRA (PEFT adapters, `enable_lora=True`): attention q/k/v (packed into qkv_proj), the output
@@ -164,8 +173,20 @@ class BeamForCausalLM(nn.Module, SupportsLoRA):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    # -- target hidden states for a drafter (EAGLE-3 / DFlash): vLLM calls these at load -----------
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        bad = [i for i in layers if not 0 <= i <= self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"aux hidden-state layers {bad} outside 0..{self.config.num_hidden_layers} (vLLM's index i is "
+                             f"the stream entering layer i; DFlash's target_layer_ids + 1)")
+        self.model.aux_hidden_state_layers = tuple(layers)
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        n = self.config.num_hidden_layers
+        return (2, n // 2, n - 3)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """FP32 logits (`beam_rl.model.numerics.lm_head_logits`): FP32-accumulated LM head, never rounded
