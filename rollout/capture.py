@@ -62,7 +62,8 @@ class RequestRouting:
         self.recorder = recorder
         self.steps: list[_Step] = []
         self.request_index: dict[str, int] = {}
-        self.request_ids: list[str] = []
+        self.request_ids: dict[int, str] = {}  # index -> id of the requests with rows held
+        self._issued = 0  # indices handed out (never reused, so an id filed again gets a new one)
         self._slots: list[tuple[torch.Tensor, torch.Tensor, list[_Step | None]]] = []
         self._next = 0
         self._batch: tuple[list[str], np.ndarray] | None = None  # the last step's request ids and their indices
@@ -97,8 +98,9 @@ class RequestRouting:
     def _index(self, req_id: str) -> int:
         i = self.request_index.get(req_id)
         if i is None:
-            i = self.request_index[req_id] = len(self.request_ids)
-            self.request_ids.append(req_id)
+            i = self.request_index[req_id] = self._issued
+            self.request_ids[i] = req_id
+            self._issued += 1
         return i
 
     def _slot(self):
@@ -152,7 +154,7 @@ class RequestRouting:
             out[wanted[int(rows_of[rows[0]])]] = arr
         self.steps = [_Step(ids[keep], positions[keep], rows_of[keep], None)] if keep.any() else []
         for i in wanted:
-            del self.request_index[self.request_ids[i]]
+            del self.request_index[self.request_ids.pop(i)]
         self._batch = None  # a popped id filed again gets a new index
         return out
 

@@ -105,3 +105,15 @@ def test_a_count_per_request_is_required():
     routing = RequestRouting(RoutingRecorder(max_tokens=4, num_layers=L, top_k=K, num_experts=16))
     with pytest.raises(ValueError, match=r"one count per request \(2\)"):
         routing.file_step(["a", "b"], [1], torch.tensor([0]))
+
+
+def test_popped_requests_leave_nothing_behind():
+    """A long run files and pops requests by the million: nothing of a popped request stays."""
+    recorder = RoutingRecorder(max_tokens=4, num_layers=L, top_k=K, num_experts=16)
+    routing = RequestRouting(recorder)
+    for n in range(50):
+        for layer in range(L):
+            recorder.record(layer, routing_of(n, 0)[layer][None])
+        routing.file_step([f"req-{n}"], [1], torch.tensor([0]))
+        assert np.array_equal(routing.pop_many([f"req-{n}"])[f"req-{n}"], routing_of(n, 0).numpy()[None])
+    assert routing.request_index == {} and routing.request_ids == {} and routing.steps == []

@@ -11,10 +11,15 @@ side, which any DFlash-family drafter exercises the same way:
 - R3 under speculation: the captured routing equals the non-speculative engine's, so no rejected
   draft token's routing is reported (a random drafter is rejected at every position: 3 rejected
   tokens pass the target per step).
+The speculative engine runs in a child process (this file run as a script): an in-process vLLM
+engine owns the process's distributed state, and shutting a second one down here would tear down
+the session's shared engine (`tiny_engine`).
 """
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,58 +67,76 @@ def dflash_drafter(config, path, seed=0) -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def spec_engine(tiny_checkpoint, tiny_config, tmp_path_factory):
+def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
+    """The child process: a speculative engine's greedy tokens and routing of PROMPTS, its spec-decode
+    counters around them, and the drafter's `fc` inputs for one more request of PROMPTS[0]."""
     from beam_rl.engines import EngineSettings, start_rollout_engine
 
-    drafter = dflash_drafter(tiny_config, str(tmp_path_factory.mktemp("dflash") / "drafter"))
     spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE)
-    engine = start_rollout_engine(EngineSettings(model=str(tiny_checkpoint), seed=0, max_model_len=512, max_num_seqs=16,
+    engine = start_rollout_engine(EngineSettings(model=checkpoint, seed=0, max_model_len=512, max_num_seqs=16,
                                                  engine_args={"speculative_config": spec, "disable_log_stats": False}))
-    yield engine
-    engine.shutdown()
+    llm = engine.llm
+    before = spec_counts(llm)
+    outs, routing = greedy(llm)
+    after = spec_counts(llm)
 
-
-def greedy(llm, max_tokens=24):
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-    return outs, fetch_captured_routing(llm, outs)
-
-
-def spec_counts(llm) -> dict:
-    return {m.name: m.value for m in llm.get_metrics() if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")}
-
-
-def test_greedy_and_routing_with_speculation_equal_without(spec_engine, tiny_engine):
-    before = spec_counts(spec_engine.llm)
-    outs, routing = greedy(spec_engine.llm)
-    after = spec_counts(spec_engine.llm)
-    ref_outs, ref_routing = greedy(tiny_engine.llm)
-    drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
-    assert drafts > 0 and after["vllm:spec_decode_num_draft_tokens"] - before.get("vllm:spec_decode_num_draft_tokens", 0) == \
-        NUM_SPECULATIVE * drafts
-    for o, r, a, b in zip(outs, ref_outs, routing, ref_routing):
-        assert list(o.outputs[0].token_ids) == list(r.outputs[0].token_ids)
-        assert a.shape == b.shape and (a == b).all(), "speculation changed the reported routing"
-
-
-def test_the_drafter_reads_the_reference_target_hidden_states(spec_engine, tiny_model):
     def install(worker):
         worker.beam_test_fc_inputs = []
         fc = worker.model_runner.drafter.model.model.fc
         return fc.register_forward_pre_hook(lambda m, args: worker.beam_test_fc_inputs.append(args[0].detach().clone())) is not None
 
-    assert spec_engine.llm.collective_rpc(install) == [True]
-    prompt = PROMPTS[0]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, detokenize=False)
-    out = spec_engine.llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
-    fetch_captured_routing(spec_engine.llm, [out])
-    seen = spec_engine.llm.collective_rpc(lambda w: w.beam_test_fc_inputs)[0]
+    assert llm.collective_rpc(install) == [True]
+    one, _ = greedy(llm, prompts=PROMPTS[:1], max_tokens=12)
+    torch.save(dict(tokens=[list(o.outputs[0].token_ids) for o in outs], routing=routing, before=before, after=after,
+                    fc_tokens=list(one[0].outputs[0].token_ids), fc_inputs=llm.collective_rpc(lambda w: w.beam_test_fc_inputs)[0]),
+               out)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def speculative(tiny_checkpoint, tiny_config, tmp_path_factory):
+    work = tmp_path_factory.mktemp("dflash")
+    drafter = dflash_drafter(tiny_config, str(work / "drafter"))
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, __file__, str(tiny_checkpoint), drafter, str(work / "out.pt")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(work / "out.pt", weights_only=False)
+
+
+def greedy(llm, prompts=PROMPTS, max_tokens=24):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return outs, fetch_captured_routing(llm, outs)
+
+
+def spec_counts(llm) -> dict:
+    names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")
+    got = {m.name: m.value for m in llm.get_metrics() if m.name in names}
+    return {n: got.get(n, 0) for n in names}
+
+
+def test_greedy_and_routing_with_speculation_equal_without(speculative, tiny_engine):
+    ref_outs, ref_routing = greedy(tiny_engine.llm)
+    drafts = speculative["after"]["vllm:spec_decode_num_drafts"] - speculative["before"]["vllm:spec_decode_num_drafts"]
+    tokens = speculative["after"]["vllm:spec_decode_num_draft_tokens"] - speculative["before"]["vllm:spec_decode_num_draft_tokens"]
+    assert drafts > 0 and tokens == NUM_SPECULATIVE * drafts
+    for got, r, a, b in zip(speculative["tokens"], ref_outs, speculative["routing"], ref_routing, strict=True):
+        assert got == list(r.outputs[0].token_ids)
+        assert a.shape == b.shape and (a == b).all(), "speculation changed the reported routing"
+
+
+def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_model):
+    seen, prompt = speculative["fc_inputs"], PROMPTS[0]
     # the prefill's rows, then per verify step the rows of the verified tokens: the first is the
     # kept token (a random drafter's proposals are all rejected)
-    assert seen[0].shape[0] == len(prompt) and all(s.shape[0] == 1 + NUM_SPECULATIVE for s in seen[1:])
+    assert seen[0].shape[0] == len(prompt) and len(seen) > 1 and all(s.shape[0] == 1 + NUM_SPECULATIVE for s in seen[1:])
     got = torch.cat([seen[0]] + [s[:1] for s in seen[1:]])
-    ids = torch.tensor(prompt + list(out.outputs[0].token_ids))
+    ids = torch.tensor(prompt + speculative["fc_tokens"])
     want = target_hidden_states(tiny_model, ids, TARGET_LAYERS)[: got.shape[0]]
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.equal(got, want), f"max|diff| {(got.float() - want.float()).abs().max().item():.3e}"
+
+
+if __name__ == "__main__":
+    run_speculative(*sys.argv[1:4])
