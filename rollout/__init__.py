@@ -1,8 +1,9 @@
 """Beam as a vLLM model plugin (installed as `beam_rl.rollout`).
 
 `register()` is the `vllm.general_plugins` entry point: it runs in every vLLM process (engine
-core, workers, Ray actors) and may run more than once. It registers beam-rl's `BeamConfig` with
-transformers, beam-rl's `BeamForCausalLM` with vLLM's model registry, and the `beam_gloo`
+core, workers, Ray actors) and may run more than once. It registers beam-rl's `BeamConfig` and the
+DFlash2 drafter's config with transformers, beam-rl's `BeamForCausalLM` and `DFlash2BeamDraftModel`
+(`beam_rl.rollout.dflash2`) with vLLM's model registry, and the `beam_gloo`
 weight-transfer backend (`beam_rl.rollout.weight_transfer`) with vLLM's weight-transfer factory.
 
 Which Beam runs is explicit: `BEAM_RL_VLLM_MODEL=beam_rl` (default) installs ours, replacing the
@@ -27,6 +28,9 @@ def register() -> None:
     from vllm import ModelRegistry
 
     from beam_rl.model.config import BeamConfig
+    from beam_rl.model.dflash2 import ARCHITECTURE as DFLASH2_ARCH
+    from beam_rl.model.dflash2 import MODEL_TYPE as DFLASH2_MODEL_TYPE
+    from beam_rl.model.dflash2 import DFlash2HFConfig
 
     choice = os.environ.get(MODEL_ENV, "beam_rl")
     if choice not in ("beam_rl", "upstream"):
@@ -44,6 +48,8 @@ def register() -> None:
     if has_upstream:
         logger.warning("beam_rl.rollout: replacing vLLM's own %s with beam-rl's (set %s=upstream to keep it)", ARCH, MODEL_ENV)
     ModelRegistry.register_model(ARCH, "beam_rl.rollout.model:BeamForCausalLM")
+    AutoConfig.register(DFLASH2_MODEL_TYPE, DFlash2HFConfig, exist_ok=True)
+    ModelRegistry.register_model(DFLASH2_ARCH, "beam_rl.rollout.dflash2:DFlash2BeamDraftModel")
     _register_weight_transfer()
 
 

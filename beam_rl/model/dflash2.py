@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from beam_rl.model import numerics
 
@@ -106,17 +107,21 @@ class DFlash2Config:
                    layer_types=tuple(d.get("layer_types", ())))
 
 
-def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The dynamic block convolution: x [B, H], base [t, H], delta [B, t, G] ->
-    out[p, c] = sum_{j < t, j <= p} (base[j, c] + delta[p, j, c // group_size]) * x[p - j, c],
-    taps never crossing the block's first row; FP32 sum, rounded once to x's dtype."""
-    B, H = x.shape
+def block_conv(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, group_size: int, block: int | None = None) -> torch.Tensor:
+    """The dynamic block convolution: x [R, H] (rows of consecutive blocks of `block` rows; one block
+    when None), base [t, H], delta [R, t, G] -> with p = r mod block,
+    out[r, c] = sum_{j < t, j <= p} (base[j, c] + delta[r, j, c // group_size]) * x[r - j, c],
+    taps never crossing a block's first row; FP32 sum over j in order, rounded once to x's dtype."""
+    R, H = x.shape
+    block = R if block is None else block
     xf = x.float()
-    taps = base.float()[None] + delta.float().repeat_interleave(group_size, dim=-1)  # (B, t, H)
-    out = torch.zeros(B, H, dtype=torch.float32, device=x.device)
+    taps = base.float()[None] + delta.float().repeat_interleave(group_size, dim=-1)  # (R, t, H)
+    out = torch.zeros(R, H, dtype=torch.float32, device=x.device)
+    p = torch.arange(R, device=x.device) % block
     for j in range(base.shape[0]):
-        if j < B:
-            out[j:] += taps[j:, j] * xf[: B - j]
+        if j < R:
+            term = taps[j:, j] * xf[: R - j]
+            out[j:] += torch.where((p[j:] >= j)[:, None], term, torch.zeros((), device=x.device))
     return out.to(x.dtype)
 
 
@@ -146,8 +151,8 @@ class BlockConv(nn.Module):
     def deltas(self, a: torch.Tensor) -> torch.Tensor:
         return self.kernel_projection(a).view(a.shape[0], 2, self.t, self.G)
 
-    def conv(self, x, which: int, delta) -> torch.Tensor:
-        return block_conv(x, self.base_kernel[which], delta[:, which], self.g)
+    def conv(self, x, which: int, delta, block: int | None = None) -> torch.Tensor:
+        return block_conv(x, self.base_kernel[which], delta[:, which], self.g, block)
 
 
 class DraftAttention(nn.Module):
@@ -210,15 +215,18 @@ class DraftLayer(nn.Module):
         self.attention_conv = BlockConv(c)
         self.mlp_conv = BlockConv(c)
 
-    def forward(self, res, positions, ctx_k, ctx_v, ctx_positions):
+    def forward(self, res: torch.Tensor, attend, block: int | None = None) -> torch.Tensor:
+        """res [R, H], rows of consecutive blocks of `block` rows (one block when None); `attend(u)`
+        the attention of the convolved rows u (the reference's over explicit context keys, vLLM's
+        over its paged KV cache)."""
         a = self.input_layernorm(res)
         d = self.attention_conv.deltas(a)
-        o = self.self_attn(self.attention_conv.conv(a, 0, d), positions, ctx_k, ctx_v, ctx_positions)
-        res = (res.float() + self.attention_conv.conv(o, 1, d).float()).to(res.dtype)
+        o = attend(self.attention_conv.conv(a, 0, d, block))
+        res = (res.float() + self.attention_conv.conv(o, 1, d, block).float()).to(res.dtype)
         a = self.post_attention_layernorm(res)
         d = self.mlp_conv.deltas(a)
-        o = self.mlp(self.mlp_conv.conv(a, 0, d))
-        return (res.float() + self.mlp_conv.conv(o, 1, d).float()).to(res.dtype)
+        o = self.mlp(self.mlp_conv.conv(a, 0, d, block))
+        return (res.float() + self.mlp_conv.conv(o, 1, d, block).float()).to(res.dtype)
 
 
 class CandidateSelector(nn.Module):
@@ -253,39 +261,67 @@ class Draft:
 
     def proposal(self, temperature: float, vocab_size: int) -> torch.Tensor:
         """[K, V] the proposal distribution of each walked row: softmax(scores / T) on its candidates, 0 elsewhere."""
-        q = torch.zeros(self.scores.shape[0], vocab_size, dtype=torch.float32)
-        return q.scatter(1, self.candidates, torch.softmax(self.scores / temperature, dim=-1))
+        return proposal_probs(self.scores, self.candidates, torch.tensor(temperature), vocab_size)
+
+
+def batched_edge_scores(selector: CandidateSelector, z: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+                        anchors: torch.Tensor) -> torch.Tensor:
+    """E [N, K, k, k] of N drafts at once: E[n, p, q, i] = unary[n, p, i] + <A[pred] * z[n, p], B[candidates[n, p, i]]>,
+    the predecessor being candidate q of row p-1 (anchors[n] for the first row, the same for every q);
+    A[pred] * z rounded to BF16, the dot (FP32 accumulation) rounded to BF16, the sum in FP32
+    (`CandidateSelector.pair_scores`, vectorised)."""
+    N, K, k = candidates.shape
+    preds = torch.cat([anchors.to(candidates.dtype)[:, None, None].expand(N, 1, k), candidates[:, :-1]], dim=1)
+    az = (selector.predecessor_codebook[preds].float() * z.float()[:, :, None]).to(torch.bfloat16).float()  # (N, K, q, r)
+    dot = torch.matmul(az, selector.successor_codebook[candidates].float().transpose(-1, -2)).to(torch.bfloat16).float()
+    return unary.float()[:, :, None, :] + dot
 
 
 def edge_scores(selector: CandidateSelector, z: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
                 anchor: int) -> torch.Tensor:
-    """E [K, k, k]: E[p, q, i] = unary[p, i] + <A[pred] * z[p], B[candidates[p, i]]>, the predecessor
-    of row p being candidate q of row p-1 (the anchor for the first row, the same for every q)."""
-    K, k = candidates.shape
-    E = torch.empty(K, k, k, dtype=torch.float32)
+    """E [K, k, k] of one draft (`batched_edge_scores` with N = 1)."""
+    return batched_edge_scores(selector, z[None], unary[None], candidates[None], torch.tensor([anchor]))[0]
+
+
+def batched_walk(E: torch.Tensor, candidates: torch.Tensor, temperature: torch.Tensor | None = None,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The greedy left-to-right walk of N drafts over E [N, K, k, k]: row 0 from its (anchor)
+    predecessor, each next row from the candidate just taken. `temperature` None: argmax; else [N]:
+    a Gumbel sample of softmax(E / T) per draft (argmax where T <= 0).
+    Returns (tokens [N, K], walked scores [N, K, k] in FP32, choice [N, K])."""
+    N, K, k = candidates.shape
+    rows = torch.arange(N, device=E.device)
+    prev = torch.zeros(N, dtype=torch.long, device=E.device)
+    choice = torch.empty(N, K, dtype=torch.long, device=E.device)
+    scores = torch.empty(N, K, k, dtype=torch.float32, device=E.device)
     for p in range(K):
-        preds = torch.full((k,), anchor, dtype=torch.long) if p == 0 else candidates[p - 1]
-        E[p] = selector.edge_scores(z[p], unary[p], preds, candidates[p])
-    return E
+        s = E[rows, p, prev]
+        if temperature is None:
+            idx = s.argmax(-1)
+        else:
+            t = temperature.float().to(E.device)
+            u = torch.rand(N, k, generator=generator, device=E.device).clamp_min(1e-20)
+            sampled = (s / t.clamp_min(1e-6)[:, None] - torch.log(-torch.log(u))).argmax(-1)
+            idx = torch.where(t > 0, sampled, s.argmax(-1))
+        choice[:, p], scores[:, p], prev = idx, s, idx
+    return candidates.gather(2, choice[:, :, None])[:, :, 0], scores, choice
+
+
+def proposal_probs(scores: torch.Tensor, candidates: torch.Tensor, temperature: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., V] the proposal distribution of each walked row: softmax(scores / T) on its candidates
+    (scores, candidates [..., k]; T broadcast over the leading dims), 0 elsewhere."""
+    t = temperature.float().clamp_min(1e-6)
+    q = torch.softmax(scores / t, dim=-1)
+    out = torch.zeros(*scores.shape[:-1], vocab_size, dtype=torch.float32, device=scores.device)
+    return out.scatter(-1, candidates, q)
 
 
 def walk(E: torch.Tensor, candidates: torch.Tensor, *, temperature: float = 1.0, sample: bool = False,
          generator: torch.Generator | None = None) -> Draft:
-    """The greedy left-to-right walk over E [K, k, k]: row 0 from its (anchor) predecessor, each next
-    row from the candidate just taken; argmax, or a Gumbel sample of softmax(E / T) when `sample`."""
-    K, k = candidates.shape
-    choice = torch.empty(K, dtype=torch.long)
-    scores = torch.empty(K, k, dtype=torch.float32)
-    prev = 0
-    for p in range(K):
-        s = E[p, prev]
-        if sample:
-            u = torch.rand(k, generator=generator).clamp_min(1e-20)
-            idx = int(torch.argmax(s / temperature - torch.log(-torch.log(u))))
-        else:
-            idx = int(torch.argmax(s))
-        choice[p], scores[p], prev = idx, s, idx
-    return Draft(candidates[torch.arange(K), choice], candidates, scores, choice)
+    """The walk of one draft over E [K, k, k] (`batched_walk` with N = 1)."""
+    t = torch.tensor([temperature]) if sample else None
+    tokens, scores, choice = batched_walk(E[None], candidates[None], t, generator)
+    return Draft(tokens[0], candidates, scores[0], choice[0])
 
 
 class DFlash2Drafter(nn.Module):
@@ -316,7 +352,7 @@ class DFlash2Drafter(nn.Module):
         positions = torch.arange(anchor_position, anchor_position + 1 + num_tokens)
         res = F.embedding(ids, embed)
         for layer, (k, v) in zip(self.layers, ctx):
-            res = layer(res, positions, k, v, ctx_positions)
+            res = layer(res, lambda u, layer=layer, k=k, v=v: layer.self_attn(u, positions, k, v, ctx_positions))
         h = self.norm(res)
         return h, numerics.lm_head_logits(h, lm_head, c.final_logit_softcapping)
 
@@ -396,13 +432,25 @@ def accepted_lengths(drafter: DFlash2Drafter, hidden: torch.Tensor, ids: torch.T
 
 # -- the released format -----------------------------------------------------------------------------
 ARCHITECTURE = "DFlash2BeamDraftModel"
+MODEL_TYPE = "beam_dflash2"
 WEIGHTS_FILE = "model.safetensors"
+
+
+class DFlash2HFConfig(PretrainedConfig):
+    """The drafter's config.json as transformers (and so vLLM) reads it, `model_type: "beam_dflash2"`
+    (the vLLM plugin registers it); `DFlash2Config.from_dict` validates its fields."""
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("architectures", [ARCHITECTURE])
+        super().__init__(**kwargs)
 
 
 def config_dict(c: DFlash2Config) -> dict:
     """`c` as the released drafter's config.json (top-level keys + `dflash_config`)."""
     return {
-        "architectures": [ARCHITECTURE], "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
