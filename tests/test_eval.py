@@ -48,6 +48,26 @@ def test_grading_pool_enforces_timeouts():
     assert grades[4].extracted is None
 
 
+def test_grading_pool_names_a_missing_math_verify_and_a_dead_worker(tmp_path, monkeypatch):
+    """No math-verify: refused at construction, naming the package. A worker that dies at start
+    (here its math_verify import fails) is reported as soon as it exits, not after the start timeout."""
+    import importlib.util
+    import time
+
+    real = importlib.util.find_spec
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "math_verify" else real(name, *a))
+        with pytest.raises(RuntimeError, match="math-verify is not installed"):
+            GradingPool()
+    (tmp_path / "math_verify.py").write_text("raise ImportError('a broken math_verify')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # spawned workers start with this sys.path: it shadows math_verify there
+    pool = GradingPool(workers=1)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited at start"):
+        pool.grade(["1"], ["Answer: 1"])
+    assert time.monotonic() - t0 < 60
+
+
 def test_loaders_accept_aliases_and_name_the_fix(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

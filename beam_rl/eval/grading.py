@@ -11,6 +11,7 @@ last `\\boxed{...}`; failing that, no answer (incorrect).
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing as mp
 import re
 import time
@@ -100,6 +101,9 @@ class GradingPool:
     def __init__(self, workers: int = 2, timeout_s: float = 10.0):
         if workers < 1 or timeout_s <= 0:
             raise ValueError("GradingPool needs workers >= 1 and timeout_s > 0 (--grade-workers, --grade-timeout)")
+        if importlib.util.find_spec("math_verify") is None:
+            raise RuntimeError("math-verify is not installed: the math task and `beam-rl eval` grade answers with it "
+                               "(pip install math-verify; on the H200, the kit of scripts/gpu_kit_math.txt)")
         self.timeout_s = timeout_s
         self._ctx = mp.get_context("spawn")  # never fork a process that may hold vLLM / OpenMP threads
         self.workers = workers
@@ -117,13 +121,18 @@ class GradingPool:
     def _ready(worker):
         proc, conn = worker
         try:
-            if conn.poll(120) and conn.recv() == "ready":
+            # the pipe or the process's exit, whichever comes first: a worker that dies at start is
+            # reported at once, not after the whole timeout
+            if wait([conn, proc.sentinel], 120) and conn.poll() and conn.recv() == "ready":
                 return worker
         except EOFError:
             pass
+        proc.join(1)
+        if proc.exitcode is not None:
+            raise RuntimeError(f"a grading worker exited at start (exit code {proc.exitcode}; its traceback is above; "
+                               "is the calling script guarded by `if __name__ == '__main__':`?)")
         proc.kill()
-        raise RuntimeError("a grading worker did not start within 120 s (is math-verify installed? is the calling "
-                           "script guarded by `if __name__ == '__main__':`?)")
+        raise RuntimeError("a grading worker did not start within 120 s")
 
     def _start(self):
         return self._ready(self._launch())
