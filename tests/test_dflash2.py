@@ -151,6 +151,65 @@ def test_proposal_and_sampled_walk(drafter, target):
     assert (freq - q[0]).abs().max() < 0.03
 
 
+def _chi2_excess(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square of counts against probs over the bins expecting >= 5, in standard
+    deviations above its mean under the null (df = bins - 1): ~N(0, 1) when counts ~ probs."""
+    n = counts.sum()
+    keep = probs * n >= 5
+    obs, exp = counts[keep].double(), probs[keep].double() * n
+    obs = torch.cat([obs, (n - obs.sum()).reshape(1)])  # the rare bins pooled
+    exp = torch.cat([exp, (n - exp.sum()).reshape(1)])
+    df = obs.numel() - 1
+    return float((((obs - exp) ** 2 / exp).sum() - df) / (2 * df) ** 0.5)
+
+
+def test_rejection_sampling_of_walked_drafts_keeps_the_target_distribution(drafter, target):
+    """Sampled DFlash2 drafts (the walk's Gumbel draws, each row's proposal depending on the token
+    walked before it) verified by speculative sampling against a Markov target p(x | previous token):
+    the first emitted token is distributed as p(. | anchor), and the second, given the first, as
+    p(. | first), although the proposals put mass on 6 candidates only and differ from p. The same
+    chi-square check rejects a verifier that redraws from p instead of the residual max(0, p - q)."""
+    from beam_rl.model.dflash2 import rejection_sample
+
+    embed, head, hidden, pos = target
+    ctx = drafter.context(hidden, pos)
+    anchor, K, T = 7, 3, 1.5
+    h, logits = drafter.propose(ctx, pos, anchor, 12, K, embed, head)
+    unary, cands = logits[1:].topk(drafter.config.selector_top_k, dim=-1)
+    E = edge_scores(drafter.candidate_selector, drafter.candidate_selector.hidden_projection(h[1:]), unary, cands, anchor)
+    g = torch.Generator().manual_seed(5)
+    # a target that prefers the drafter's candidates (so drafts are often accepted) but not only them
+    P = torch.softmax(torch.randn(V, V, generator=g, dtype=torch.float64), dim=-1)
+    P[:, cands.flatten().unique()] *= 8
+    P /= P.sum(-1, keepdim=True)
+
+    def redraw_from_p(p, tokens, q, gen):  # the broken verifier: rejection, then a draw from p
+        out = rejection_sample(p, tokens, q, gen)
+        return out[:-1] + [int(torch.multinomial(p[len(out) - 1], 1, generator=gen))] if len(out) <= len(tokens) else out
+
+    def run(verify, n=20000):
+        firsts, pairs, accepted = torch.zeros(V), torch.zeros(V, V), 0
+        for _ in range(n):
+            d = walk(E, cands, temperature=T, sample=True, generator=g)
+            out = verify(P[torch.cat([torch.tensor([anchor]), d.tokens])], d.tokens, d.proposal(T, V), g)
+            accepted += len(out) - 1
+            firsts[out[0]] += 1
+            if len(out) > 1:
+                pairs[out[0], out[1]] += 1
+        return firsts, pairs, accepted / n
+
+    firsts, pairs, accepted = run(rejection_sample)
+    assert 0.1 < accepted < 0.9 * K  # drafts are accepted often, and rejected often
+    assert abs(_chi2_excess(firsts, P[anchor])) < 5
+    seen = (firsts >= 1500).nonzero().flatten().tolist()
+    assert seen and all(abs(_chi2_excess(pairs[x], P[x])) < 5 for x in seen)
+    print(f"\naccepted {accepted:.2f} per step; first-token chi2 excess {_chi2_excess(firsts, P[anchor]):.2f}; "
+          f"second given first {[round(_chi2_excess(pairs[x], P[x]), 2) for x in seen]}")
+    broken, _, _ = run(redraw_from_p)
+    print(f"broken verifier: first-token chi2 excess {_chi2_excess(broken, P[anchor]):.1f}")
+    assert _chi2_excess(broken, P[anchor]) > 20
+
+
 def test_drafter_distils_a_target_continuation(tiny_model, tiny_config):
     """The training reference on beam-tiny: the drafter reads the target's residual streams after
     its target layers, the block loss (position-decayed CE + selector CE) falls under AdamW, and

@@ -324,6 +324,29 @@ def walk(E: torch.Tensor, candidates: torch.Tensor, *, temperature: float = 1.0,
     return Draft(tokens[0], candidates, scores[0], choice[0])
 
 
+def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor,
+                     generator: torch.Generator | None = None) -> list[int]:
+    """Speculative sampling of one verify step (what vLLM's rejection sampler does per request):
+    target_probs [K+1, V] (row k: the target's distribution after the draft prefix d_<k),
+    draft_tokens [K], draft_probs [K, V] (row k: the proposal d_k was drawn from). Draft token k is
+    accepted with probability min(1, p_k(d_k) / q_k(d_k)); at the first rejection one token is drawn
+    from normalise(max(0, p_k - q_k)) and the step ends; with every draft accepted a bonus token is
+    drawn from p_K. Returns the emitted tokens (1 to K+1); each is distributed as the target's
+    distribution after the tokens before it, whatever the proposals."""
+    out: list[int] = []
+    for k in range(draft_tokens.shape[0]):
+        d = int(draft_tokens[k])
+        p, q = target_probs[k].double(), draft_probs[k].double()
+        if float(torch.rand((), generator=generator, dtype=torch.float64)) * float(q[d]) < float(p[d]):
+            out.append(d)
+            continue
+        residual = (p - q).clamp_min(0)
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(target_probs[-1].double(), 1, generator=generator)))
+    return out
+
+
 class DFlash2Drafter(nn.Module):
     """The drafter's own weights (names as released, without a `model.` prefix); the embedding and
     LM head are the target's, passed to `propose`."""
