@@ -22,8 +22,10 @@ NeoX RoPE from the same FP32 table); attention is vLLM's backend (FP32-accumulat
 documented difference from the reference, as for the target. The embedding and LM head are the
 target's (vLLM shares them at load; the released drafter has neither).
 
-Left to later: tensor parallelism (refused at build), a Triton conv / selector and the draft step
-in a full CUDA graph (vLLM 0.33's V2 speculator does that; here the draft model runs eagerly).
+The query path is compiled by vLLM (`support_torch_compile`, piecewise CUDA graphs on GPU); the
+context path, top-k, selector and walk run eagerly. Left to later: tensor parallelism (refused at
+build), a Triton conv / selector, the whole draft step in one full CUDA graph (vLLM 0.33's V2
+speculator does that).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention import Attention
@@ -68,13 +71,18 @@ class PagedDraftAttention(ref.DraftAttention):
         return self.o_proj(out.reshape(T, -1))
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "inputs_embeds": 0})
 class DraftBody(nn.Module):
     """`model.*` of the draft: the reference's weights by their released names, plus the target's
-    embedding (`embed_tokens`, replaced by the target's at load)."""
+    embedding (`embed_tokens`, replaced by the target's at load). Its forward (the query path) is
+    compiled by vLLM like a target model's, so the V1 runner's CUDA graphs cover the draft step's
+    layers; the context path and the walk run outside it."""
 
-    def __init__(self, c: ref.DFlash2Config, vllm_config: VllmConfig, start_layer: int, prefix: str):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", start_layer: int = 0):
         super().__init__()
-        self.config = c
+        spec = vllm_config.speculative_config
+        self.config = c = ref.DFlash2Config.from_dict(spec.draft_model_config.hf_config.to_dict())
+        self.block = 1 + spec.num_speculative_tokens
         self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, prefix=f"{prefix}.embed_tokens")
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = ref.RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -91,6 +99,13 @@ class DraftBody(nn.Module):
         self.register_buffer("rope_table", table, persistent=False)
         for layer in self.layers:
             layer.self_attn.rope_table = self.rope_table
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The blocks' rows (1 + K per request, consecutive) -> final normed hidden states."""
+        res = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        for layer in self.layers:
+            res = layer(res, lambda u, layer=layer: layer.self_attn.paged(positions, u), self.block)
+        return self.norm(res)
 
 
 class DFlash2BeamDraftModel(DFlashQwen3ForCausalLM):
@@ -109,12 +124,12 @@ class DFlash2BeamDraftModel(DFlashQwen3ForCausalLM):
         self.draft_model_config = spec.draft_model_config
         self.config = self.draft_model_config.hf_config
         self.dflash = ref.DFlash2Config.from_dict(self.config.to_dict())
-        self.block = 1 + spec.num_speculative_tokens
-        if self.block > self.dflash.sliding_window:
-            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens}: a block of {self.block} rows exceeds the "
+        block = 1 + spec.num_speculative_tokens
+        if block > self.dflash.sliding_window:
+            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens}: a block of {block} rows exceeds the "
                              f"drafter's sliding_window={self.dflash.sliding_window}; draft at most sliding_window - 1 tokens")
-        target_layers = vllm_config.model_config.get_total_num_hidden_layers()
-        self.model = DraftBody(self.dflash, vllm_config, target_layers, prefix=f"{prefix}model" if not prefix else f"{prefix}.model")
+        self.model = DraftBody(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model",
+                               start_layer=vllm_config.model_config.get_total_num_hidden_layers())
         self.lm_head = ParallelLMHead(self.dflash.vocab_size, self.dflash.hidden_size, prefix="lm_head")
         self.draft_id_to_target_id = None
         install_proposer_hooks()
@@ -146,11 +161,7 @@ class DFlash2BeamDraftModel(DFlashQwen3ForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, inputs_embeds: torch.Tensor | None = None,
                 *args, **kwargs) -> torch.Tensor:
-        """The blocks' rows (1 + K per request, consecutive) -> final normed hidden states."""
-        res = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        for layer in self.model.layers:
-            res = layer(res, lambda u, layer=layer: layer.self_attn.paged(positions, u), self.block)
-        return self.model.norm(res)
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """FP32 soft-capped logits through the target's LM head (`numerics.lm_head_logits`)."""
