@@ -328,6 +328,35 @@ def test_resumed_metrics_hold_each_step_once(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [(1, 1.0), (2, 20.0), (3, 30.0)]
 
 
+def test_supervised_step_in_micro_batches_is_the_whole_batch_step(tiny_model, tiny_config):
+    """The warm start's step accumulated over micro-batches (the recipe's train.micro_batch_size, so
+    a big warm-start batch fits beside the rollout engine) is the one-batch step: the same loss, the
+    mean over every response token of the batch, and the same updated weights up to FP32 summation
+    order."""
+    from beam_rl.engines import build_trainer
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 400, (6, 20), generator=g)
+    lengths = torch.tensor([20, 14, 9, 20, 17, 11])
+    prompts = torch.tensor([5, 3, 4, 8, 2, 6])
+    got = []
+    for micro in (None, 4):
+        trainer = build_trainer(tiny_config, tiny_model.state_dict())
+        trainer.make_optimizer(lr=1e-3)
+        loss = trainer.supervised_step(ids, lengths, prompts, micro_batch_size=micro)
+        got.append((loss, {k: v.float() for k, v in trainer.export().items()}))
+    (whole, w_whole), (micro, w_micro) = got
+    assert abs(whole - micro) < 1e-5 * abs(whole)
+    moved = [k for k in w_whole if not torch.equal(w_whole[k], tiny_model.state_dict()[k].float())]
+    assert moved, "the step changed no weight"
+    worst = max((w_whole[k] - w_micro[k]).abs().max().item() for k in w_whole)
+    differ = sum(int((w_whole[k] != w_micro[k]).sum()) for k in w_whole) / sum(v.numel() for v in w_whole.values())
+    print(f"\nloss {whole:.6f} vs {micro:.6f}; {differ:.2e} of the weights differ, max|diff| {worst:.2e}")
+    # Adam's first step moves a weight by ~lr whatever its gradient's size: a gradient near 0 whose
+    # last bits differ can move it the other way (2 lr), then one BF16 rounding
+    assert worst <= 2 * 1e-3 + 2**-8 and differ < 0.01
+
+
 def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
     """`beam-rl warm-start`: the recipe's supervised steps on the real Megatron trainer, saved in the
     released format (strictly verified, FP32 routers), the loss falling; a non-empty --out is refused."""

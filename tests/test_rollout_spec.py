@@ -36,7 +36,7 @@ from beam_rl.rollout.routing import fetch_captured_routing  # noqa: E402
 
 TARGET_LAYERS = (1, 3)
 NUM_SPECULATIVE = 3
-WINDOW = 8
+WINDOW = 16  # beam-tiny's: a drafter shares the target's window (`engines.vllm.check_draft_window`)
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], [17] * 12, list(range(40, 61))]
 
 

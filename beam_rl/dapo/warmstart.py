@@ -20,19 +20,21 @@ def answer_batch(task, tokenizer, problems):
     return ids, lengths, prompts
 
 
-def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=print) -> tuple[list[float], list[tuple[int, float]]]:
+def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=print,
+               micro_batch_size: int | None = None) -> tuple[list[float], list[tuple[int, float]]]:
     """Up to `cfg.steps` AdamW steps on random training problems; returns the losses and the
     evaluations [(step, held-out avg@k)]. With `evaluate` (policy -> avg@k) and
     `cfg.target_heldout_avg`, every `cfg.eval_every` steps and after the last one the policy is
     evaluated, and the warm start stops at the first evaluation that reaches the target. The
-    warm-start optimizer is discarded (DAPO gets a fresh one)."""
+    warm-start optimizer is discarded (DAPO gets a fresh one). Each step's gradient is accumulated
+    over micro-batches of `micro_batch_size` sequences (the recipe's `train.micro_batch_size`)."""
     rng = random.Random(seed)
     policy.make_optimizer(lr=cfg.lr)
     losses, evals = [], []
     target = cfg.target_heldout_avg if evaluate is not None else None
     for step in range(1, cfg.steps + 1):
         problems = [rng.choice(task.train) for _ in range(cfg.batch_size)]
-        losses.append(policy.supervised_step(*answer_batch(task, tokenizer, problems)))
+        losses.append(policy.supervised_step(*answer_batch(task, tokenizer, problems), micro_batch_size=micro_batch_size))
         if target is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             evals.append((step, evaluate(policy)))
             log(f"warm start step {step}: loss {losses[-1]:.3f}, held-out avg {evals[-1][1]:.3f} (target {target})")
@@ -58,7 +60,8 @@ def initial_policy(recipe, config, task, tokenizer, log=print, evaluate=None):
     losses, evals = [], []
     if recipe.warm_start.steps:
         t0 = time.perf_counter()
-        losses, evals = warm_start(policy, task, tokenizer, recipe.warm_start, seed=recipe.run.seed, evaluate=evaluate, log=log)
+        losses, evals = warm_start(policy, task, tokenizer, recipe.warm_start, seed=recipe.run.seed, evaluate=evaluate, log=log,
+                                   micro_batch_size=recipe.train.micro_batch_size)
         log(f"warm start: {len(losses)} supervised steps, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
             f"({time.perf_counter() - t0:.1f} s)")
     return policy, losses, evals

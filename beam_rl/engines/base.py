@@ -68,7 +68,8 @@ class EngineSettings:
     group on every step: at batch 256 Beam's decode step took 1.9x that of one group (H200,
     docs/results/rollout.md). False: one group (`disable_hybrid_kv_cache_manager`; the window still
     applies in attention, but sliding layers keep full-length KV). None: hybrid only where it saves
-    most of the sliding layers' KV, `max_model_len` over 4 windows."""
+    most of the sliding layers' KV, `max_model_len` over 4 windows; never with a draft model
+    (`speculative_config`: vLLM needs the drafter's layers in one group, `engines.vllm.check_draft_window`)."""
     log_file: str | None = None
     """Send vLLM's log lines to this file instead of the console."""
     engine_args: dict = field(default_factory=dict)
@@ -206,8 +207,11 @@ class TrainerBackend(ABC):
         """[B, T-1] log-probs of `batch` at `temperature`, the rollout's experts replayed when `replay` (R3)."""
 
     @abstractmethod
-    def supervised_step(self, input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor) -> float:
-        """One optimizer step on the teacher-forced NLL of the response tokens (warm start); returns the loss."""
+    def supervised_step(self, input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
+                        micro_batch_size: int | None = None) -> float:
+        """One optimizer step on the teacher-forced NLL of the response tokens (warm start), the mean
+        over every response token of the batch, its gradient accumulated over micro-batches of
+        `micro_batch_size` sequences (None: one); returns the loss."""
 
     @abstractmethod
     def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float, replay: bool = True) -> dict[str, float]:

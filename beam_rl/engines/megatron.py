@@ -150,14 +150,24 @@ class MegatronTrainer(TrainerBackend):
         sums["grad_norm"] = optimizer.step()
         return sums
 
-    def supervised_step(self, ids, lengths, prompt_lengths) -> float:
+    def supervised_step(self, ids, lengths, prompt_lengths, micro_batch_size: int | None = None) -> float:
         optimizer = self._need_optimizer()
         d = self.device
-        lp, mask = sequence_logprobs(self.model, ids.to(d), config=self.config, lengths=lengths.to(d), prompt_lengths=prompt_lengths.to(d))
-        loss = -(lp * mask).sum() / mask.sum().clamp_min(1)
-        loss.backward()
+        # the response-token count of the whole batch: every micro-batch's sum is divided by it, so the
+        # accumulated gradient is the one batch's mean
+        positions = torch.arange(1, ids.shape[1])
+        tokens = ((positions[None] >= prompt_lengths[:, None]) & (positions[None] < lengths[:, None])).sum().clamp_min(1)
+        step = micro_batch_size or ids.shape[0]
+        total = 0.0
+        for i in range(0, ids.shape[0], step):
+            sl = slice(i, i + step)
+            lp, mask = sequence_logprobs(self.model, ids[sl].to(d), config=self.config, lengths=lengths[sl].to(d),
+                                         prompt_lengths=prompt_lengths[sl].to(d))
+            loss = -(lp * mask).sum() / tokens.to(d)
+            loss.backward()
+            total += loss.item()
         optimizer.step()
-        return loss.item()
+        return total
 
     # -- weights out ---------------------------------------------------------------------------
     def export(self, *, merged: bool = True, on_device: bool = False, served: bool = False) -> dict[str, torch.Tensor]:

@@ -163,7 +163,31 @@ def hybrid_kv_cache(s: EngineSettings) -> bool:
         hf = json.load(fh)
     window = hf.get("sliding_window")
     sliding = "sliding_attention" in (hf.get("layer_types") or [])
+    if draft_model(s):
+        check_draft_window(s, window if sliding else None)
+        return False
     return bool(sliding and window) and s.max_model_len > HYBRID_KV_MIN_WINDOWS * window
+
+
+def draft_model(s: EngineSettings) -> str | None:
+    """The draft model directory of a speculative engine (`engine_args["speculative_config"]["model"]`)."""
+    return (s.engine_args.get("speculative_config") or {}).get("model")
+
+
+def check_draft_window(s: EngineSettings, target_window: int | None) -> None:
+    """A drafter runs in one KV-cache group with the target: vLLM 0.26's V1 proposer needs every draft
+    layer in one group, and the hybrid manager splits layers of one spec over groups of the target's
+    group size (on the H200, beam-mini's two DFlash2 layers landed in two groups); one group merges
+    the windows of its sliding layers, so the drafter's window must be the target's."""
+    path = os.path.join(draft_model(s), "config.json")
+    if not os.path.isfile(path) or target_window is None:
+        return
+    with open(path) as fh:
+        draft = json.load(fh).get("sliding_window")
+    if draft is not None and draft != target_window:
+        raise ValueError(f"speculative_config.model {draft_model(s)}: sliding_window={draft}, the target's is {target_window}; "
+                         "serve a drafter with the target's window (beam-rl train-drafter uses it): vLLM keeps a drafter "
+                         "and a Beam target in one KV-cache group, whose sliding layers share one window")
 
 
 def start_llm(s: EngineSettings):
