@@ -157,3 +157,28 @@ def test_summary_compares_the_builds_of_the_run():
     assert "| fused | 2.000 | 2.00 | 30.0 | 2.00 |" in lines
     assert [g["goal"] for g in summary["goals"]] == ["decode >= 2.5x eager", "prefill >= 1.8x eager"]
     assert summary["goals"][0]["wall"] == 2.0 and "nominal_host_threshold_ms" not in summary
+
+
+def test_spec_benchmark_lists_name_the_bad_entry():
+    import bench_spec
+
+    assert bench_spec.parse_list("1,8,32", "--concurrency") == [1, 8, 32]
+    assert bench_spec.parse_list("none,fixed", "--modes", str, bench_spec.MODES) == ["none", "fixed"]
+    for text, what, cast, allowed, message in [("1,0", "--concurrency", int, None, r"bad entries \[0\]"),
+                                                ("8,8", "--concurrency", int, None, "empty or repeated"),
+                                                ("none,adaptive", "--modes", str, bench_spec.MODES, "choose from none, fixed"),
+                                                ("1,x", "--concurrency", int, None, "comma-separated")]:
+        with pytest.raises(SystemExit, match=message):
+            bench_spec.parse_list(text, what, cast, allowed)
+
+
+def test_spec_summary_compares_each_mode_with_none_at_the_same_concurrency():
+    import bench_spec
+
+    def mode(tps, accept, tokens):
+        return {"by_concurrency": {"2": dict(tokens_per_s=tps, acceptance_length=accept, tokens=tokens, wave_s_all=[1.0])}}
+
+    rows, lines = bench_spec.summarize({"none": mode(100.0, None, [[1, 2], [3, 4]]), "fixed": mode(250.0, 3.5, [[1, 2], [3, 5]])}, [2])
+    fixed = next(r for r in rows if r["mode"] == "fixed")
+    assert fixed["speedup_over_none"] == 2.5 and fixed["same_tokens_as_none"] == 0.5 and fixed["acceptance_length"] == 3.5
+    assert "| 2 | fixed | 250.0 | 2.50x | 3.50 | 0.50 |" in lines

@@ -228,6 +228,27 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
     print(f"\n{len(steps)} draft steps, {exact} with hidden states equal to the reference bit for bit")
 
 
+def test_a_drafter_with_another_window_is_refused_by_name(tiny_checkpoint, drafter_path, tmp_path):
+    """A speculative engine keeps target and drafter in one KV-cache group, whose sliding layers share
+    one window: a drafter with another window is refused before vLLM starts, naming both windows."""
+    import shutil
+
+    from beam_rl.engines import EngineSettings
+    from beam_rl.engines.vllm import hybrid_kv_cache
+
+    def settings(drafter):
+        spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE)
+        return EngineSettings(model=str(tiny_checkpoint), max_model_len=4096, engine_args={"speculative_config": spec})
+
+    assert hybrid_kv_cache(settings(drafter_path)) is False  # one group, although max_model_len is 256 windows
+    other = tmp_path / "drafter"
+    shutil.copytree(drafter_path, other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "sliding_window": 2 * WINDOW}))
+    with pytest.raises(ValueError, match=f"sliding_window={2 * WINDOW}, the target's is {WINDOW}"):
+        hybrid_kv_cache(settings(str(other)))
+
+
 def test_probabilistic_drafting_hands_over_the_walk_proposal(speculative, tiny_model):
     steps = speculative["sampled_steps"]
     assert steps and len(speculative["sampled_tokens"]) == 8
