@@ -223,33 +223,60 @@ def kernels_page() -> Page:
             f"5120 x 256 router {r5} us at 1 / 8 / 64 tokens", where(*rows))
 
 
-def concurrency_tables(c: Rec) -> list[str]:
+def concurrency_tables(c: Rec, what: str = "Decode at RL concurrency", goals: bool = True) -> list[str]:
     """Decode at RL concurrency (`bench_rollout.py --concurrency`): per variant, goals, host profile, weight update."""
     base = {k: c["provenance"].get(k) for k in PROV}
     rows = [{**base, **r} for r in c["rows"]]
-    goals = [{**base, **g, "met": check(g["met"])} for g in c["goals"]]
     prof = [{**base, "variant": name, "R3": key, "batch": p["batch"],
              **{a: p["areas_us_per_step"].get(a) for a in PROFILE_AREAS}}
             for name, v in c["variants"].items() for key, p in v.get("host_profile", {}).items()]
-    w = c["weight_update"]
-    return [
-        table(f"Decode at RL concurrency ({c['decode_tokens']} tokens, medians of {c['repeats']}; 32-token prompts)", rows, cols(
-            "variant", "model", "R3 capture=r3", "concurrency", "tokens/s=tokens_per_s:.0f", "wall ms/step=wall_ms_per_step:.2f",
-            "GPU ms/step=gpu_ms_per_step:.2f"),
-            "KV-cache groups per variant: " + ", ".join(f"{n} {v['engine']['kv_cache_groups']}" for n, v in c["variants"].items())
-            + f". {c['provenance'].get('note', '')}. Routing of one greedy batch identical across the Beam variants: "
-            f"{fmt(c['routing_checks']['routing_identical_across_variants'])}."),
-        table("Goals at RL concurrency (the issue's bounds)", goals, cols("goal", "value:.3f", "bound", "met"),
-              "The DAPO loop's own per-step sync, the issue's bound of 0.5 s: [sync.md](sync.md)."),
-        table("Host time per decode step at batch 256 by source (cProfile, own us per step; cProfile inflates Python "
-              "calls, compare the rows)", prof, cols("variant", "R3", *(f"{a}={a}:.0f" for a in PROFILE_AREAS))),
-        kv_table(f"Weight update into the running engine, {w['bytes'] / 2**30:.2f} GiB in {w['tensors']} tensors (medians)",
-                 base, [("in memory: fingerprints on the GPU + verified load", f"{w['in_memory_s']:.3f} s "
-                         f"({w['sender_checksums_s']:.3f} + {w['verified_load_s']:.3f})"),
-                        ("in memory through vLLM's layerwise reload", f"{w['layerwise_load_s']:.3f} s"),
-                        ("through files on /dev/shm: write + reload", f"{w['files_s']:.2f} s ({w['files_write_s']:.2f} + "
-                         f"{w['files_reload_s']:.2f}), {w['files_s'] / w['in_memory_s']:.0f}x"),
-                        ("parameters identical after the three", fmt(w["same_parameters"]))])]
+    out = [table(f"{what} ({c['decode_tokens']} tokens, medians of {c['repeats']}; 32-token prompts)", rows, cols(
+        "variant", "model", "R3 capture=r3", "concurrency", "tokens/s=tokens_per_s:.0f", "wall ms/step=wall_ms_per_step:.2f",
+        "GPU ms/step=gpu_ms_per_step:.2f"),
+        "KV-cache groups per variant: " + ", ".join(f"{n} {v['engine']['kv_cache_groups']}" for n, v in c["variants"].items())
+        + f". {c['provenance'].get('note', '')}. Routing of one greedy batch identical across the Beam variants: "
+        f"{fmt(c['routing_checks']['routing_identical_across_variants'])}.")]
+    ratios = [{**base, **r} for r in c["ratios"] if any(r[k] for k in ("vllm_capture_over_off", "sync_over_async", "hybrid_over_one_group"))]
+    if ratios:
+        out.append(table(f"{what}: ratios of the R3-off steps", ratios, cols(
+            "concurrency", "sync / async scheduling=sync_over_async:.2f", "hybrid KV cache / one group=hybrid_over_one_group:.2f",
+            "vLLM's capture / off=vllm_capture_over_off:.2f")))
+    if goals:
+        out.append(table(f"{what}: goals (the issue's bounds)", [{**base, **g, "met": check(g["met"])} for g in c["goals"]],
+                         cols("goal", "value:.3f", "bound", "met"),
+                         "The DAPO loop's own per-step sync, the issue's bound of 0.5 s: [sync.md](sync.md)."))
+    if prof:
+        out.append(table("Host time per decode step at batch 256 by source (cProfile, own us per step; cProfile inflates "
+                         "Python calls, compare the rows)", prof, cols("variant", "R3", *(f"{a}={a}:.0f" for a in PROFILE_AREAS))))
+    w = c.get("weight_update")
+    if w and goals:
+        out.append(kv_table(f"{what}: weight update into the running engine, {w['bytes'] / 2**30:.2f} GiB in {w['tensors']} "
+                            "tensors (medians)", base,
+                            [("in memory: fingerprints on the GPU + verified load", f"{w['in_memory_s']:.3f} s "
+                              f"({w['sender_checksums_s']:.3f} + {w['verified_load_s']:.3f})"),
+                             ("in memory through vLLM's layerwise reload", f"{w['layerwise_load_s']:.3f} s"),
+                             ("through files on /dev/shm: write + reload", f"{w['files_s']:.2f} s ({w['files_write_s']:.2f} + "
+                              f"{w['files_reload_s']:.2f}), {w['files_s'] / w['in_memory_s']:.0f}x"),
+                             ("parameters identical after the three", fmt(w["same_parameters"]))]))
+    return out
+
+
+def r3_pairs_table(c: Rec) -> str:
+    """The interleaved R3 off / on repeats of `beam-async`, pair by pair, per batch size."""
+    base = {k: c["provenance"].get(k) for k in PROV}
+    d = c["variants"]["beam-async"]["decode"]
+    rows = []
+    for b in sorted(d["off"], key=int):
+        off, on = d["off"][b]["decode_ms_all"], d["beam-rl"][b]["decode_ms_all"]
+        pairs = [y / x for x, y in zip(off, on)]
+        rows.append({**base, "batch": int(b), "pairs": len(pairs), "median of pair ratios": statistics.median(pairs),
+                     "ratio of medians": statistics.median(on) / statistics.median(off), "fastest on / fastest off": min(on) / min(off),
+                     "off ms (min-max)": f"{min(off):.2f}-{max(off):.2f}", "on ms (min-max)": f"{min(on):.2f}-{max(on):.2f}"})
+    return table("R3 capture cost, repeat by repeat (each pair: R3 off, then on, in one engine)", rows, cols(
+        "batch", "pairs", "median of pair ratios:.3f", "ratio of medians:.3f", "fastest on / fastest off:.3f",
+        "off ms (min-max)", "on ms (min-max)"),
+        "The host's speed moves within a run by up to 1.6x between repeats (the off column): a pair shares its moment's "
+        "speed, so the median of the pairs' ratios is the estimate that drift moves least; the goal reads it.")
 
 
 PROFILE_AREAS = ("scheduler + KV-cache manager", "model runner", "engine core + output processing", "vLLM, other",
@@ -259,6 +286,8 @@ PROFILE_AREAS = ("scheduler + KV-cache manager", "model runner", "engine core + 
 def rollout_page() -> Page:
     d = load("rollout_speed.json")
     c = load("rollout_concurrency.json")
+    r3 = load("rollout_r3_capture.json")
+    kv = load("rollout_kv_cache_groups.json")
     peer256 = next(g["value"] for g in c["goals"] if g["goal"] == "batch 256: Beam R3-off step / Qwen3-MoE peer step")
     b = [{**d["builds"][n], **{k: d.get(k) for k in PROV}, "build": n} for n in ("fused", "compiled", "eager")]
     for r in b:
@@ -300,10 +329,14 @@ def rollout_page() -> Page:
             ("router disagreement, reference without replay", f"{p['router_disagreement_no_replay']:.0%}"),
             (f"free-running greedy tokens shared with the reference (of {p['free_running_tokens']})",
              f"{min(share)}-{max(share)} per prompt"), ("tokens compared", p["num_tokens"])]),
-        *record_tables("rollout_parity_cpu.json"), *concurrency_tables(c)]),
+        *record_tables("rollout_parity_cpu.json"), *concurrency_tables(c),
+        *concurrency_tables(r3, "R3 capture cost at RL concurrency"), r3_pairs_table(r3),
+        *concurrency_tables(kv, "KV-cache groups at RL concurrency (an earlier run, with its commit's capture)", goals=False)]),
             f"fused batch-1 decode step: {d['decode_gpu_ms_fused']:.2f} ms GPU time ({x('decode_gpu_ms_{}')}); "
             f"{d['decode_ms_fused']:.2f} ms wall clock ({x('decode_ms_{}')}); batch 256: "
-            f"{peer256:.2f}x the Qwen3-MoE peer's step", where(d, c["provenance"]))
+            f"{peer256:.2f}x the Qwen3-MoE peer's step; R3 capture at batch 256 "
+            f"{next(g['value'] for g in r3['goals'] if 'interleaved pairs' in g['goal']):.3f}x the R3-off step",
+            where(d, c["provenance"], r3["provenance"]))
 
 
 def trainer_page() -> Page:
