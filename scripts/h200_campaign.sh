@@ -73,7 +73,7 @@ stage_cmd() {
     kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py ${KERNELS_ARGS:-}" ;;
     bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes bf16 lora mxfp8-emulated" ;;
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs ${BENCH_ROLLOUT_ARGS:-}" ;;
-    bench_concurrency) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --concurrency --checkpoint $CKPT --decode-batches 64,256 --decode-tokens 64 --repeats 3 --work $WORK --json $OUT/rollout_concurrency.json --log-dir $OUT/concurrency_logs ${BENCH_CONCURRENCY_ARGS:-}" ;;
+    bench_concurrency) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --concurrency --checkpoint $CKPT --decode-batches 64,256 --decode-tokens 64 --repeats 15 --work $WORK --json $OUT/rollout_concurrency.json --log-dir $OUT/concurrency_logs ${BENCH_CONCURRENCY_ARGS:-}" ;;
     rollout_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_rollout_gpu.py" ;;
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json ${BENCH_KERNELS_ARGS:-}" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;

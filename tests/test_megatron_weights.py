@@ -161,6 +161,11 @@ def test_mxfp8_served_weights_are_what_the_linears_compute_with(world, tiny_mode
         assert served[name].dtype == plain[name].dtype and torch.equal(served[name], want), name
     assert not torch.equal(served[quantised[0]], plain[quantised[0]])
     assert served_weights(build(tiny_config, tiny_model, "bf16")) is None
+    # the same by HF name, for sources with no Megatron model (`beam-rl sync --serve mxfp8`)
+    from beam_rl.megatron.mxfp8 import SERVED_HF_WEIGHT, serve_hf_weight
+
+    assert [n for n in plain if SERVED_HF_WEIGHT.fullmatch(n)] == quantised
+    assert all(torch.equal(serve_hf_weight(n, plain[n]), served[n]) for n in plain)
 
 
 def test_unknown_provider_mode_names_the_choices(tiny_config):

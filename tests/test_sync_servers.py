@@ -129,6 +129,30 @@ def test_megatron_conversion_is_bit_exact(setup, tiny_config, tmp_path):
     assert list(upd.checksums) == list(checkpoint_tensors(tiny_config))
 
 
+def test_mxfp8_served_copy_holds_the_quantised_weights(setup, tmp_path, capsys):
+    """`--serve mxfp8`: the copy the servers load holds every quantised linear's weight quantised and
+    dequantised (`serve_hf_weight`), the rest as saved; from an HF checkpoint and from the Megatron
+    checkpoint of the same weights alike. It needs --staging, and applies to full updates only."""
+    from beam_rl.megatron.mxfp8 import SERVED_HF_WEIGHT, serve_hf_weight
+    from beam_rl.model.checkpoint import load_config, read_tensors
+    from beam_rl.model.weights import tensor_checksum
+    from beam_rl.sync.sources import served_update
+
+    upd = served_update(setup["new"], tmp_path / "served", serve="mxfp8")
+    cfg = load_config(setup["new"])
+    saved = dict(read_tensors(setup["new"], cfg))
+    assert upd.checksums == {n: tensor_checksum(serve_hf_weight(n, t)) for n, t in saved.items()}
+    plain = full_update(setup["new"]).checksums
+    quantised = {n for n in saved if SERVED_HF_WEIGHT.fullmatch(n)}
+    assert quantised and all((upd.checksums[n] != plain[n]) == (n in quantised) for n in saved)
+    assert full_update(tmp_path / "served").checksums == upd.checksums  # a checkpoint the servers load strictly
+    assert megatron_update(setup["megatron"], tmp_path / "meg-served", serve="mxfp8").checksums == upd.checksums
+    base = ["sync", "--server", "http://127.0.0.1:9", "--previous", str(setup["old"]), "--serve", "mxfp8"]
+    assert main([*base, "--hf", str(setup["new"])]) == 2 and "needs --staging" in capsys.readouterr().err
+    assert main([*base, "--lora", str(tmp_path), "--lora-name", "x"]) == 2
+    assert "applies to full updates" in capsys.readouterr().err
+
+
 def test_sync_megatron_then_greedy_equals_fresh_engine(setup, tiny_vllm, capsys):
     urls = setup["urls"]
     before = [[t for t, _ in server_greedy(u)] for u in urls]

@@ -15,6 +15,7 @@ router (FP32), embeddings and LM head stay BF16/FP32, as in TE's MXFP8 recipe.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -96,6 +97,19 @@ def served_weights(model: torch.nn.Module):
         return mxfp8_fake_quant(t) if name in names else t
 
     return transform
+
+
+SERVED_HF_WEIGHT = re.compile(r"model\.layers\.\d+\..*_proj\.weight")
+"""HF names of the weights the MXFP8 mode computes with quantised (attention q/k/v/gate/o, dense and
+expert gate/up/down; not the router `mlp.gate.weight`, norms, embeddings or LM head): what
+`served_weights` transforms, by HF name, for sources that hold no Megatron model (`beam-rl sync
+--serve mxfp8`). At TP1 the blocks of 32 run along the input dim of each row, so quantising the
+HF q/k/v (or gate/up) weights apart equals quantising Megatron's fused ones."""
+
+
+def serve_hf_weight(name: str, t: torch.Tensor) -> torch.Tensor:
+    """An HF tensor as an MXFP8 trainer serves it (`SERVED_HF_WEIGHT`: quantised and dequantised)."""
+    return mxfp8_fake_quant(t) if SERVED_HF_WEIGHT.fullmatch(name) else t
 
 
 _serving = [0]

@@ -5,6 +5,11 @@
     beam-rl sync --server ... --megatron megatron-ckpt/ --staging runs/sync/step-200 --previous ckpt/step-100
     beam-rl sync --server ... --lora adapters/step-200 --lora-name policy
     beam-rl sync --server ... --hf ckpt/step-200 --previous ckpt/step-100 --strategy nccl --master-address 10.0.0.5
+    beam-rl sync --server ... --hf ckpt/step-200 --serve mxfp8 --staging runs/sync/step-200 --previous runs/sync/step-100
+
+`--serve mxfp8` (an MXFP8 run): the servers load a copy of the checkpoint whose quantised linears'
+weights are quantised and dequantised as the trainer computes with them; checkpoints keep the
+unquantised weights, so the copy is written to `--staging`.
 
 Protocol: check every server, and a full update's tensors (names, shapes, dtypes) against each
 server's model -> pause every server -> apply + verify on every server (in parallel) -> resume
@@ -134,12 +139,14 @@ def sync_servers(urls: list[str], update: WeightUpdate, previous: WeightUpdate |
 
 def cmd_sync(args) -> int:
     from beam_rl.sync.lora import LoraHotLoadStrategy
-    from beam_rl.sync.sources import full_update, lora_update, megatron_update
+    from beam_rl.sync.sources import full_update, lora_update, megatron_update, served_update
 
     sources = [x for x in (args.hf, args.megatron, args.lora) if x]
     if len(sources) != 1:
         raise InputError("give exactly one of --hf DIR, --megatron DIR, --lora DIR")
     t0 = time.perf_counter()
+    if args.serve != "weights" and args.lora:
+        raise InputError(f"--serve {args.serve} applies to full updates (--hf, --megatron), not to --lora adapters")
     if args.lora:
         update = lora_update(args.lora, args.lora_name)
         strategy = "lora"
@@ -151,8 +158,15 @@ def cmd_sync(args) -> int:
             if not args.staging:
                 raise InputError("--megatron needs --staging DIR (where the converted HF checkpoint is written; the "
                                  "servers must be able to read it)")
-            update = megatron_update(args.megatron, args.staging, config=args.config)
+            update = megatron_update(args.megatron, args.staging, config=args.config, serve=args.serve)
             print(f"converted {args.megatron} -> {update.path} ({update.nbytes / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s")
+        elif args.serve != "weights":
+            if not args.staging:
+                raise InputError(f"--serve {args.serve} with --hf needs --staging DIR (where the served copy is written; the "
+                                 "servers must be able to read it)")
+            update = served_update(args.hf, args.staging, serve=args.serve)
+            print(f"wrote {args.hf} as --serve {args.serve} -> {update.path} ({update.nbytes / 1e6:.1f} MB) in "
+                  f"{time.perf_counter() - t0:.1f} s")
         else:
             update = full_update(args.hf)
         previous = full_update(args.previous)
@@ -170,7 +184,11 @@ def add_sync_parser(sub) -> None:
     p.add_argument("--hf", help="Beam HF checkpoint directory to load")
     p.add_argument("--megatron", help="Megatron checkpoint (torch format, TP1) to convert and load")
     p.add_argument("--config", help="Beam config.json for --megatron (default: found beside the checkpoint)")
-    p.add_argument("--staging", help="output directory of the --megatron conversion (readable by the servers)")
+    p.add_argument("--staging", help="output directory of the --megatron conversion or of the --serve copy (readable by the servers)")
+    p.add_argument("--serve", default="weights", choices=["weights", "mxfp8"],
+                   help="weights: the checkpoint's weights; mxfp8: as an MXFP8 run's trainer computes with them (its "
+                        "quantised linears' weights quantised and dequantised; the servers of an MXFP8 run need these "
+                        "for its R3 gap; --previous is then the served copy the servers hold now)")
     p.add_argument("--lora", help="PEFT LoRA adapter directory to hot-load")
     p.add_argument("--lora-name", help="name to serve the adapter under (requests use it as `model`)")
     p.add_argument("--previous", help="checkpoint directory the servers serve now: the rollback target (full updates)")

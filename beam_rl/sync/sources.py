@@ -123,13 +123,25 @@ def read_megatron_state(path: str | os.PathLike, config: BeamConfig) -> dict[str
     return state
 
 
-def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, config: str | None = None,
-                    dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 4 << 30) -> WeightUpdate:
-    """Convert a Megatron checkpoint into an HF checkpoint at `out_dir` (atomically, streaming one
-    tensor at a time into shards) and return its update, with checksums of what was written."""
-    path, out_dir = Path(path).resolve(), Path(out_dir).resolve()
-    cfg = _find_config(path, config)
-    state = read_megatron_state(path, cfg)
+SERVE_CHOICES = ("weights", "mxfp8")
+"""`beam-rl sync --serve`: the checkpoint's weights as they are, or as an MXFP8 trainer computes with
+them (`beam_rl.megatron.mxfp8.serve_hf_weight`: each quantised linear's weight quantised and
+dequantised), which is what an MXFP8 run's rollout must serve for its R3 gap to hold."""
+
+
+def _serve_transform(serve: str):
+    if serve not in SERVE_CHOICES:
+        raise SourceError(f"--serve {serve!r}: choose one of {', '.join(SERVE_CHOICES)}")
+    if serve == "weights":
+        return lambda name, t: t
+    from beam_rl.megatron.mxfp8 import serve_hf_weight
+
+    return serve_hf_weight
+
+
+def _write_hf(out_dir: Path, cfg: BeamConfig, items, source: Path, dtype: torch.dtype, max_shard_bytes: int) -> WeightUpdate:
+    """HF-named tensors into an HF checkpoint at `out_dir` (atomically, streamed into shards), with
+    the checksums of what was written."""
     specs = checkpoint_tensors(cfg)
     checksums, manifest, nbytes, weight_map = {}, {}, 0, {}
     shard: dict[str, torch.Tensor] = {}
@@ -145,10 +157,10 @@ def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, conf
             shard, shard_bytes = {}, 0
 
         cfg.save_pretrained(tmp)
-        for name, t in export_hf(_StateView(state), cfg):
+        for name, t in items:
             t = t.detach().to(specs[name].dtype(dtype)).contiguous()
             if not bool(torch.isfinite(t).all()):
-                raise SourceError(f"{path}: tensor {name} holds non-finite values (NaN or inf); refusing to sync it")
+                raise SourceError(f"{source}: tensor {name} holds non-finite values (NaN or inf); refusing to sync it")
             if shard and shard_bytes + t.nbytes > max_shard_bytes:
                 flush()
             shard[name] = t
@@ -162,3 +174,31 @@ def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, conf
         else:
             (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, indent=1))
     return WeightUpdate(kind="full", path=str(out_dir), checksums=checksums, nbytes=nbytes, manifest=manifest)
+
+
+def megatron_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, config: str | None = None,
+                    dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 4 << 30, serve: str = "weights") -> WeightUpdate:
+    """Convert a Megatron checkpoint into an HF checkpoint at `out_dir` (atomically, streaming one
+    tensor at a time into shards; `serve`: `SERVE_CHOICES`) and return its update, with checksums
+    of what was written."""
+    path, out_dir = Path(path).resolve(), Path(out_dir).resolve()
+    transform = _serve_transform(serve)
+    cfg = _find_config(path, config)
+    state = read_megatron_state(path, cfg)
+    return _write_hf(out_dir, cfg, ((n, transform(n, t)) for n, t in export_hf(_StateView(state), cfg)), path, dtype,
+                     max_shard_bytes)
+
+
+def served_update(path: str | os.PathLike, out_dir: str | os.PathLike, *, serve: str,
+                  max_shard_bytes: int = 4 << 30) -> WeightUpdate:
+    """An HF checkpoint as `serve` (`SERVE_CHOICES`) serves it, written to `out_dir` (the servers load
+    that copy; the checkpoint itself keeps the trainer's unquantised weights)."""
+    path, out_dir = Path(path).resolve(), Path(out_dir).resolve()
+    if not (path / "config.json").exists():
+        raise SourceError(f"{path}: no config.json; --hf must be a Beam HF checkpoint directory")
+    if out_dir == path:
+        raise SourceError(f"--staging {out_dir} is the checkpoint itself; give another directory")
+    transform = _serve_transform(serve)
+    cfg = load_config(path)
+    return _write_hf(out_dir, cfg, ((n, transform(n, t)) for n, t in read_tensors(path, cfg)), path, torch.bfloat16,
+                     max_shard_bytes)
