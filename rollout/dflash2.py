@@ -123,13 +123,12 @@ class DFlash2BeamDraftModel(DFlashQwen3ForCausalLM):
         spec = vllm_config.speculative_config
         self.draft_model_config = spec.draft_model_config
         self.config = self.draft_model_config.hf_config
-        self.dflash = ref.DFlash2Config.from_dict(self.config.to_dict())
-        block = 1 + spec.num_speculative_tokens
-        if block > self.dflash.sliding_window:
-            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens}: a block of {block} rows exceeds the "
-                             f"drafter's sliding_window={self.dflash.sliding_window}; draft at most sliding_window - 1 tokens")
         self.model = DraftBody(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model",
                                start_layer=vllm_config.model_config.get_total_num_hidden_layers())
+        self.dflash = self.model.config
+        if self.model.block > self.dflash.sliding_window:
+            raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens}: a block of {self.model.block} rows exceeds "
+                             f"the drafter's sliding_window={self.dflash.sliding_window}; draft at most sliding_window - 1 tokens")
         self.lm_head = ParallelLMHead(self.dflash.vocab_size, self.dflash.hidden_size, prefix="lm_head")
         self.draft_id_to_target_id = None
         install_proposer_hooks()
