@@ -20,7 +20,11 @@ tail of long drafts is rarely accepted and slows every step. Per step:
 
 This follows the design of vLLM 0.33's adaptive verification (`acceptance_estimator.py`,
 `adaptive_verification.py`) for the vLLM 0.26 plugin; `fixed` verification is the switch's other
-setting (every request verifies its whole draft).
+setting (every request verifies its whole draft). Where 0.33 profiles the costs at start-up and
+applies the budget on the device, here the costs are fitted on the engine's own steps (`StepCosts`)
+and each request's drafts are truncated on the host before the scheduler sees them
+(`AdaptiveVerifier`, installed by `BeamWorkerExtension.beam_start_adaptive_verification`), which
+needs synchronous scheduling.
 """
 
 from __future__ import annotations
@@ -158,3 +162,93 @@ def admitted_prefix(S: torch.Tensor, budget: int) -> torch.Tensor:
     for i in order:
         counts[i // K] += 1
     return counts
+
+
+@dataclass
+class StepCosts:
+    """ms of one engine step, fitted online as a + b * verified tokens + c * requests (least squares
+    over the last `window` steps): the verified tokens' marginal cost b against what a step costs
+    regardless, measured on the running engine (host work included: under synchronous scheduling it
+    is part of every step). Until `min_steps` steps are in, nothing is known (None)."""
+
+    window: int = 64
+    min_steps: int = 8
+    fixed: tuple[float, float, float] | None = None
+    """(a, b, c) given instead of fitted (tests; costs measured elsewhere)."""
+    _rows: list[tuple[float, float, float]] = field(default_factory=list)
+
+    def add(self, tokens: int, requests: int, ms: float) -> None:
+        self._rows.append((float(tokens), float(requests), float(ms)))
+        del self._rows[: -self.window]
+
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c), b and c at least 0; None before `min_steps` steps or with no spread in tokens."""
+        if self.fixed is not None:
+            return self.fixed
+        if len(self._rows) < self.min_steps:
+            return None
+        t, r, ms = (torch.tensor(col, dtype=torch.float64) for col in zip(*self._rows))
+        if float(t.max() - t.min()) == 0:
+            return None
+        X = torch.stack([torch.ones_like(t), t, r], dim=1)
+        theta = torch.linalg.lstsq(X, ms[:, None]).solution[:, 0]
+        a, b, c = (float(v) for v in theta)
+        return a, max(b, 0.0), max(c, 0.0)
+
+    def tables(self, requests: int, max_drafts: int) -> tuple[CostTable, CostTable] | None:
+        """`choose_budget`'s (draft_ms, verify_ms) for `requests` requests of up to `max_drafts` draft
+        tokens in all: what the step costs at no drafts, and each verified token's share."""
+        got = self.fit()
+        if got is None:
+            return None
+        a, b, c = got
+        sizes = tuple(range(requests, requests + max_drafts + 1))
+        return CostTable((requests,), (max(a + c * requests, 1e-6),)), CostTable(sizes, tuple(b * n for n in sizes))
+
+
+class AdaptiveVerifier:
+    """Adaptive verification of a running engine's drafts, step by step:
+    `plan` (after drafting): each request's confidences -> how many of its draft tokens to verify
+    (`choose_budget` over the survival estimates, `admitted_prefix`; everything until the costs are
+    known); `observe` (after verification): each request's accepted count for the estimator, and
+    the step's time for the costs."""
+
+    def __init__(self, num_positions: int, max_tokens: int | None = None, costs: StepCosts | None = None):
+        self.estimator = AcceptanceEstimator(num_positions)
+        self.costs = costs or StepCosts()
+        self.max_tokens = max_tokens
+        self._pending: dict[str, torch.Tensor] = {}  # request -> the confidences of the drafts it verifies next
+        self.verified = self.drafted = 0
+
+    def plan(self, req_ids: list[str], f: torch.Tensor) -> list[int]:
+        """Confidences f [R, K] of the requests' drafts (rows in `req_ids` order) -> tokens to verify per request."""
+        R, K = f.shape
+        S = survival(self.estimator.probabilities(f))
+        tables = self.costs.tables(R, R * K)
+        counts = [K] * R
+        if tables is not None:
+            counts = admitted_prefix(S, choose_budget(S, *tables, max_tokens=self.max_tokens)).tolist()
+        for r, req in enumerate(req_ids):
+            self._pending[req] = f[r, : counts[r]]
+        self.drafted += R * K
+        self.verified += sum(counts)
+        return counts
+
+    def observe(self, accepted: dict[str, int], step_ms: float | None = None, tokens: int = 0) -> None:
+        """The verification step's accepted draft tokens per request (requests that verified drafts),
+        and, when timed, its ms for `tokens` scheduled tokens."""
+        rows = [(self._pending.pop(req), n) for req, n in accepted.items() if req in self._pending]
+        rows = [(f, n) for f, n in rows if f.numel()]
+        if rows:
+            K = max(f.numel() for f, _ in rows)
+            F = torch.zeros(len(rows), K, dtype=torch.float64)
+            for i, (f, _) in enumerate(rows):
+                F[i, : f.numel()] = f.double()
+            self.estimator.observe(F, torch.tensor([min(n, f.numel()) for f, n in rows]),
+                                   torch.tensor([f.numel() for f, _ in rows]))
+        if step_ms is not None:
+            self.costs.add(tokens, len(accepted), step_ms)
+
+    def forget(self, req_ids) -> None:
+        for req in req_ids:
+            self._pending.pop(req, None)

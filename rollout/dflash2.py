@@ -45,6 +45,7 @@ from vllm.model_executor.models.utils import process_eagle_weight
 
 from beam_rl.model import dflash2 as ref
 from beam_rl.model import numerics
+from beam_rl.rollout.adaptive import confidence
 
 ARCH = ref.ARCHITECTURE
 
@@ -131,6 +132,8 @@ class DFlash2BeamDraftModel(DFlashQwen3ForCausalLM):
                              f"the drafter's sliding_window={self.dflash.sliding_window}; draft at most sliding_window - 1 tokens")
         self.lm_head = ParallelLMHead(self.dflash.vocab_size, self.dflash.hidden_size, prefix="lm_head")
         self.draft_id_to_target_id = None
+        self.track_confidence = False  # set by adaptive verification (`BeamWorkerExtension`)
+        self.last_confidence: torch.Tensor | None = None  # [N, K] of the last draft step, when tracked
         install_proposer_hooks()
 
     # -- what the proposer calls ------------------------------------------------------------------------
@@ -181,6 +184,12 @@ class DFlash2BeamDraftModel(DFlashQwen3ForCausalLM):
         z = sel.hidden_projection(hidden_states)
         E = ref.batched_edge_scores(sel, z.view(N, K, -1), unary.view(N, K, -1), candidates.view(N, K, -1), anchors)
         tokens, scores, _ = ref.batched_walk(E, candidates.view(N, K, -1), temperature)
+        if self.track_confidence:
+            # per draft token, what adaptive verification reads: logit(max q) of the walked row's
+            # proposal at the request's temperature (1 for greedy requests)
+            t = torch.ones(N, device=scores.device) if temperature is None else torch.where(temperature > 0, temperature, 1.0)
+            q_max = torch.softmax(scores / t.float().view(N, 1, 1), dim=-1).amax(-1)
+            self.last_confidence = confidence(q_max)
         if temperature is None:
             return tokens.reshape(-1), None
         probs = ref.proposal_probs(scores, candidates.view(N, K, -1), temperature.view(N, 1, 1), logits.shape[-1])

@@ -127,6 +127,69 @@ class BeamWorkerExtension:
         runner.execute_model = execute_model
         return True
 
+    # -- adaptive verification of DFlash2 drafts ---------------------------------------------------
+    def beam_start_adaptive_verification(self, step_costs: tuple[float, float, float] | None = None) -> bool:
+        """From the next step on, verify per request only the draft tokens worth their cost
+        (`beam_rl.rollout.adaptive.AdaptiveVerifier`): the drafts leave the runner truncated
+        (`take_draft_token_ids`, synchronous scheduling), and each verification's accepted counts and
+        step time feed the estimator and the cost fit (`propose_draft_token_ids`, which runs after
+        the rejection sampler). `step_costs`: (a, b, c) ms of a step, a + b * tokens + c * requests,
+        instead of fitting them on the engine's steps."""
+        import time
+
+        from beam_rl.rollout.adaptive import AdaptiveVerifier, StepCosts
+        from beam_rl.rollout.dflash2 import DFlash2BeamDraftModel
+
+        runner = self.model_runner
+        drafter = getattr(getattr(runner, "drafter", None), "model", None)
+        drafter = drafter.unwrap() if hasattr(drafter, "unwrap") else drafter
+        if not isinstance(drafter, DFlash2BeamDraftModel):
+            raise RuntimeError("adaptive verification needs beam-rl's DFlash2 drafter (speculative_config method 'dflash', "
+                               f"a DFlash2BeamDraftModel directory); this engine's drafter is {type(drafter).__name__}")
+        if getattr(runner, "use_async_scheduling", False):
+            raise RuntimeError("adaptive verification truncates drafts on the host: start the engine with async_scheduling=False")
+        costs = StepCosts(fixed=tuple(step_costs) if step_costs is not None else None)
+        if "take_draft_token_ids" in vars(runner):  # already verifying adaptively: new costs only
+            self._beam_verifier.costs = costs
+            return True
+        verifier = self._beam_verifier = AdaptiveVerifier(drafter.model.block - 1, costs=costs,
+                                                          max_tokens=runner.scheduler_config.max_num_batched_tokens)
+        take, propose = runner.take_draft_token_ids, runner.propose_draft_token_ids
+        step = {"clock": None, "accepted": None, "tokens": 0}
+
+        def propose_draft_token_ids(scheduler_output, sampled_token_ids, *args, **kwargs):
+            verified = scheduler_output.scheduled_spec_decode_tokens
+            if verified:  # the rejection sampler's output: each row's kept tokens, -1 past them
+                rows = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else sampled_token_ids
+                index = {r: i for i, r in enumerate(runner.input_batch.req_ids)}
+                step["accepted"] = {r: sum(t >= 0 for t in rows[index[r]]) - 1 for r in verified if r in index}
+                step["tokens"] = scheduler_output.total_num_scheduled_tokens
+            return propose(scheduler_output, sampled_token_ids, *args, **kwargs)
+
+        def take_draft_token_ids():
+            out = take()
+            now = time.perf_counter()  # take -> take: one whole step (schedule, verify, sample, draft)
+            if step["accepted"] is not None:
+                ms = None if step["clock"] is None else (now - step["clock"]) * 1e3
+                verifier.observe(step["accepted"], ms, step["tokens"])
+                step["accepted"] = None
+            step["clock"] = now
+            f = drafter.last_confidence
+            if out is None or f is None or f.shape[0] != len(out.req_ids):
+                return out
+            counts = verifier.plan(list(out.req_ids), f.cpu())
+            return type(out)(out.req_ids, [list(ids)[:n] for ids, n in zip(out.draft_token_ids, counts)])
+
+        drafter.track_confidence = True
+        runner.take_draft_token_ids, runner.propose_draft_token_ids = take_draft_token_ids, propose_draft_token_ids
+        return True
+
+    def beam_adaptive_verification_stats(self) -> dict:
+        """Draft tokens proposed and verified since the start, and the estimator's parameters."""
+        v = self._beam_verifier
+        return {"drafted": v.drafted, "verified": v.verified, "w": v.estimator.w, "b": v.estimator.b.tolist(),
+                "costs": v.costs.fit()}
+
     def beam_stop_routing_capture(self) -> bool:
         """Stop filing steps (the model still records into its buffer; nothing reaches the host)."""
         vars(self.model_runner).pop("execute_model", None)

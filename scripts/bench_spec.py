@@ -1,7 +1,7 @@
 """Speculative decoding of the Beam rollout with its DFlash2 drafter: tokens/s and acceptance, modes in one run.
 
     python scripts/bench_spec.py --checkpoint CKPT --drafter DRAFTER [--recipe recipes/math/warm-mini-h200.yaml]
-                                 [--modes none,fixed] [--concurrency 1,8,32,128] [--num-speculative 7]
+                                 [--modes none,fixed,adaptive] [--concurrency 1,8,32,128] [--num-speculative 7]
                                  [--max-tokens 128] [--waves 3] [--eager] [--json docs/bench/spec.json]
 
 Each mode runs in its own process (this script with `--mode`), one engine with beam-rl's engine
@@ -18,7 +18,9 @@ The parent prints the table (each mode's tokens/s over `none`'s at the same conc
 `{"rows": [{concurrency, mode, tokens_per_s, acceptance_length, same_tokens_as_none, ...}], ...}`.
 
 Modes: `none` (no speculation), `fixed` (DFlash2, every request verifies `--num-speculative`
-tokens per step).
+tokens per step), `adaptive` (DFlash2 with `EngineSettings.adaptive_verification`: per step only the
+draft tokens whose estimated acceptance pays for their measured cost; it truncates drafts on the
+host, so it runs with synchronous scheduling where the other modes run asynchronous).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import time
 
-MODES = ("none", "fixed")
+MODES = ("none", "fixed", "adaptive")
 
 
 def parse_list(text: str, what: str, cast=int, allowed=None) -> list:
@@ -77,7 +79,7 @@ def run_mode(args) -> dict:
     ids = prompts(args.recipe, max(conc) * waves)
     longest = max(len(p) for p in ids)
     engine_args: dict = {"disable_log_stats": False}
-    if args.mode == "fixed":
+    if args.mode in ("fixed", "adaptive"):
         engine_args["speculative_config"] = dict(method="dflash", model=args.drafter, num_speculative_tokens=args.num_speculative)
         if not args.eager:  # the verify step runs c * (1 + K) tokens: CUDA graphs for those sizes
             engine_args["compilation_config"] = {"max_cudagraph_capture_size": max(conc) * (1 + args.num_speculative)}
@@ -85,6 +87,7 @@ def run_mode(args) -> dict:
     engine = start_rollout_engine(EngineSettings(
         model=args.checkpoint, seed=0, max_model_len=longest + args.max_tokens + args.num_speculative + 8,
         max_num_seqs=max(conc), enforce_eager=args.eager, capture_routing=False,
+        adaptive_verification=args.mode == "adaptive", async_scheduling=args.mode != "adaptive",
         gpu_memory_utilization=args.gpu_memory_utilization, engine_args=engine_args))
     start_s = time.perf_counter() - t0
     print(f"PROGRESS {args.mode}: engine up in {start_s:.0f} s", flush=True)
@@ -97,6 +100,7 @@ def run_mode(args) -> dict:
             batch = [{"prompt_token_ids": p} for p in ids[w * c : (w + 1) * c]]
             if w == 1:
                 before = spec_counts(llm)
+                stats0 = llm.collective_rpc("beam_adaptive_verification_stats")[0] if args.mode == "adaptive" else None
             t = time.perf_counter()
             res = llm.generate(batch, sp, use_tqdm=False)
             wall = time.perf_counter() - t
@@ -104,10 +108,16 @@ def run_mode(args) -> dict:
                 walls.append(wall)
                 tokens += [list(r.outputs[0].token_ids) for r in res]
         drafts, accepted = (a - b for a, b in zip(spec_counts(llm), before))
+        verified_fraction = None
+        if stats0 is not None:  # the share of the drafted tokens adaptive verification admitted
+            stats = llm.collective_rpc("beam_adaptive_verification_stats")[0]
+            drafted = stats["drafted"] - stats0["drafted"]
+            verified_fraction = (stats["verified"] - stats0["verified"]) / drafted if drafted else None
         wall = statistics.median(walls)
         out["by_concurrency"][str(c)] = r = dict(
             tokens_per_s=c * args.max_tokens / wall, wave_s=wall, wave_s_all=walls,
-            acceptance_length=1 + accepted / drafts if drafts else None, drafts=drafts, accepted=accepted, tokens=tokens)
+            acceptance_length=1 + accepted / drafts if drafts else None, drafts=drafts, accepted=accepted,
+            verified_fraction=verified_fraction, tokens=tokens)
         print(f"PROGRESS {args.mode}: concurrency {c}: {r['tokens_per_s']:.1f} tokens/s, acceptance length "
               f"{r['acceptance_length']}", flush=True)
     engine.shutdown()
@@ -126,7 +136,8 @@ def summarize(results: dict, conc: list[int]) -> tuple[list[dict], list[str]]:
                 same = sum(a == b for a, b in zip(r["tokens"], base["tokens"])) / len(base["tokens"])
             ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else None
             rows.append(dict(concurrency=c, mode=mode, tokens_per_s=r["tokens_per_s"], acceptance_length=r["acceptance_length"],
-                             speedup_over_none=ratio, same_tokens_as_none=same, wave_s_all=r["wave_s_all"]))
+                             speedup_over_none=ratio, same_tokens_as_none=same, verified_fraction=r.get("verified_fraction"),
+                             wave_s_all=r["wave_s_all"]))
             fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
             lines.append(f"| {c} | {mode} | {r['tokens_per_s']:.1f} | {fmt(ratio, '.2f')}x | {fmt(r['acceptance_length'], '.2f')} "
                          f"| {fmt(same, '.2f')} |")
@@ -136,7 +147,7 @@ def summarize(results: dict, conc: list[int]) -> tuple[list[dict], list[str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--checkpoint", required=True, help="the target's HF checkpoint directory")
-    ap.add_argument("--drafter", help="the DFlash2 drafter directory (`beam-rl train-drafter --out`); needed by mode fixed")
+    ap.add_argument("--drafter", help="the DFlash2 drafter directory (`beam-rl train-drafter --out`); needed by modes fixed, adaptive")
     ap.add_argument("--recipe", default="recipes/math/warm-mini-h200.yaml", help="the task whose held-out prompts are decoded")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--mode", choices=MODES, help="(internal) run one mode in this process")
@@ -155,8 +166,8 @@ def main(argv=None) -> int:
         return 0
     modes = parse_list(args.modes, "--modes", str, MODES)
     conc = parse_list(args.concurrency, "--concurrency")
-    if "fixed" in modes and not (args.drafter and os.path.isfile(os.path.join(args.drafter, "config.json"))):
-        raise SystemExit(f"--drafter {args.drafter!r}: mode fixed needs a DFlash2 drafter directory with config.json "
+    if {"fixed", "adaptive"} & set(modes) and not (args.drafter and os.path.isfile(os.path.join(args.drafter, "config.json"))):
+        raise SystemExit(f"--drafter {args.drafter!r}: modes fixed and adaptive need a DFlash2 drafter directory with config.json "
                          "(beam-rl train-drafter --out DIR)")
     results, failed = {}, []
     argv = argv if argv is not None else sys.argv[1:]

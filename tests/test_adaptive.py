@@ -72,3 +72,39 @@ def test_budget_maximises_tokens_per_millisecond_and_admits_prefixes():
         verify(7)
     with pytest.raises(ValueError, match="strictly increasing"):
         CostTable((4, 2), (1.0, 2.0))
+
+
+def test_step_costs_fit_the_marginal_token_cost():
+    from beam_rl.rollout.adaptive import StepCosts
+
+    costs = StepCosts(min_steps=4)
+    assert costs.fit() is None
+    for tokens, requests in [(8, 4), (16, 4), (12, 4), (24, 8), (40, 8), (32, 8)]:
+        costs.add(tokens, requests, 2.0 + 0.25 * tokens + 0.5 * requests)
+    a, b, c = costs.fit()
+    assert abs(a - 2.0) < 1e-9 and abs(b - 0.25) < 1e-9 and abs(c - 0.5) < 1e-9
+    draft, verify = costs.tables(4, 12)
+    assert draft(4) == pytest.approx(4.0) and verify(4) == pytest.approx(1.0) and verify(16) == pytest.approx(4.0)
+    assert StepCosts(fixed=(1.0, 2.0, 0.0)).fit() == (1.0, 2.0, 0.0)
+
+
+def test_adaptive_verifier_plans_from_costs_and_learns_from_verification():
+    from beam_rl.rollout.adaptive import AdaptiveVerifier, StepCosts
+
+    f = torch.tensor([[4.0, 2.0, -1.0], [-3.0, -3.0, -3.0]])
+    everything = AdaptiveVerifier(3, costs=StepCosts(fixed=(1.0, 0.0, 0.0)))
+    assert everything.plan(["a", "b"], f) == [3, 3]
+    nothing = AdaptiveVerifier(3, costs=StepCosts(fixed=(1.0, 100.0, 0.0)))
+    assert nothing.plan(["a", "b"], f) == [0, 0] and (nothing.drafted, nothing.verified) == (6, 0)
+    unknown = AdaptiveVerifier(3)  # no costs measured yet: fixed verification
+    assert unknown.plan(["a", "b"], f) == [3, 3]
+    some = AdaptiveVerifier(3, costs=StepCosts(fixed=(2.0, 1.0, 0.0)))
+    counts = some.plan(["a", "b"], f)
+    assert counts[0] >= 1 and counts[1] == 0  # the confident draft's head pays, the doubtful draft does not
+    some.observe({"a": 1, "b": 0}, step_ms=5.0, tokens=4)
+    # "a" verified counts[0] tokens and kept 1: its first is labelled accepted, its second (if verified)
+    # the first rejection; "b" verified none: nothing to learn
+    assert some.estimator._y == [1.0, 0.0][: min(counts[0], 2)] and some.estimator._k == [0, 1][: min(counts[0], 2)]
+    assert some.costs._rows == [(4.0, 2.0, 5.0)]
+    some.observe({"a": 1})  # nothing pending for "a" any more: ignored
+    assert len(some.estimator._y) == min(counts[0], 2)

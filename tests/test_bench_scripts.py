@@ -163,10 +163,10 @@ def test_spec_benchmark_lists_name_the_bad_entry():
     import bench_spec
 
     assert bench_spec.parse_list("1,8,32", "--concurrency") == [1, 8, 32]
-    assert bench_spec.parse_list("none,fixed", "--modes", str, bench_spec.MODES) == ["none", "fixed"]
+    assert bench_spec.parse_list("none,adaptive", "--modes", str, bench_spec.MODES) == ["none", "adaptive"]
     for text, what, cast, allowed, message in [("1,0", "--concurrency", int, None, r"bad entries \[0\]"),
                                                 ("8,8", "--concurrency", int, None, "empty or repeated"),
-                                                ("none,adaptive", "--modes", str, bench_spec.MODES, "choose from none, fixed"),
+                                                ("none,tree", "--modes", str, bench_spec.MODES, "choose from none, fixed, adaptive"),
                                                 ("1,x", "--concurrency", int, None, "comma-separated")]:
         with pytest.raises(SystemExit, match=message):
             bench_spec.parse_list(text, what, cast, allowed)

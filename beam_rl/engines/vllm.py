@@ -46,6 +46,8 @@ class VLLMEngine(RolloutEngine):
         self.llm = start_llm(settings)
         if settings.capture_routing:
             self.llm.collective_rpc("beam_start_routing_capture")
+        if settings.adaptive_verification:
+            self.llm.collective_rpc("beam_start_adaptive_verification")
         from beam_rl.rollout.worker import engine_attention_numerics
 
         self.attention_numerics = engine_attention_numerics(self.llm)
