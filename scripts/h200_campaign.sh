@@ -87,7 +87,7 @@ stage_cmd() {
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; cp $r/metrics.jsonl $OUT/math-$m.jsonl; exit \$rc" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
-    drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
+    drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
     *) echo "echo unknown stage $1; exit 2" ;;
   esac
 }

