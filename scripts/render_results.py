@@ -264,11 +264,13 @@ def concurrency_tables(c: Rec, what: str = "Decode at RL concurrency", goals: bo
 def r3_pairs_table(c: Rec) -> str:
     """The interleaved R3 off / on repeats of `beam-async`, pair by pair, per batch size."""
     base = {k: c["provenance"].get(k) for k in PROV}
+    from rollout_bench.concurrency import paired_ratios
+
     d = c["variants"]["beam-async"]["decode"]
     rows = []
     for b in sorted(d["off"], key=int):
         off, on = d["off"][b]["decode_ms_all"], d["beam-rl"][b]["decode_ms_all"]
-        pairs = [y / x for x, y in zip(off, on)]
+        pairs = paired_ratios(c["variants"], "beam-async", "beam-rl", "off", int(b))
         rows.append({**base, "batch": int(b), "pairs": len(pairs), "median of pair ratios": statistics.median(pairs),
                      "ratio of medians": statistics.median(on) / statistics.median(off), "fastest on / fastest off": min(on) / min(off),
                      "off ms (min-max)": f"{min(off):.2f}-{max(off):.2f}", "on ms (min-max)": f"{min(on):.2f}-{max(on):.2f}"})

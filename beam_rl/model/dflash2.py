@@ -237,10 +237,11 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
 
     def pair_scores(self, z: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-        """<A[t] * z, B[c]> for z [r], predecessor tokens [P] and candidate tokens [k] -> [P, k]:
-        A[t] * z rounded to BF16, the dot (FP32 accumulation) rounded to BF16, returned in FP32."""
-        az = (self.predecessor_codebook[predecessors].float() * z.float()).to(torch.bfloat16).float()
-        return (az @ self.successor_codebook[candidates].float().t()).to(torch.bfloat16).float()
+        """<A[t] * z, B[c]> for z [..., r], predecessor tokens [..., P] and candidate tokens [..., k]
+        -> [..., P, k] (the leading dims broadcast): A[t] * z rounded to BF16, the dot (FP32
+        accumulation) rounded to BF16, returned in FP32."""
+        az = (self.predecessor_codebook[predecessors].float() * z.float()[..., None, :]).to(torch.bfloat16).float()
+        return (az @ self.successor_codebook[candidates].float().transpose(-1, -2)).to(torch.bfloat16).float()
 
     def edge_scores(self, z: torch.Tensor, unary: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """E [P, k] of one row: its candidates' unary logits [k] + `pair_scores` after each
@@ -268,13 +269,10 @@ def batched_edge_scores(selector: CandidateSelector, z: torch.Tensor, unary: tor
                         anchors: torch.Tensor) -> torch.Tensor:
     """E [N, K, k, k] of N drafts at once: E[n, p, q, i] = unary[n, p, i] + <A[pred] * z[n, p], B[candidates[n, p, i]]>,
     the predecessor being candidate q of row p-1 (anchors[n] for the first row, the same for every q);
-    A[pred] * z rounded to BF16, the dot (FP32 accumulation) rounded to BF16, the sum in FP32
-    (`CandidateSelector.pair_scores`, vectorised)."""
+    the rounding of `CandidateSelector.pair_scores`, the sum in FP32."""
     N, K, k = candidates.shape
     preds = torch.cat([anchors.to(candidates.dtype)[:, None, None].expand(N, 1, k), candidates[:, :-1]], dim=1)
-    az = (selector.predecessor_codebook[preds].float() * z.float()[:, :, None]).to(torch.bfloat16).float()  # (N, K, q, r)
-    dot = torch.matmul(az, selector.successor_codebook[candidates].float().transpose(-1, -2)).to(torch.bfloat16).float()
-    return unary.float()[:, :, None, :] + dot
+    return unary.float()[:, :, None, :] + selector.pair_scores(z, preds, candidates)
 
 
 def edge_scores(selector: CandidateSelector, z: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
