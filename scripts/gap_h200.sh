@@ -9,6 +9,7 @@
 # the source tree, where `beam_rl.rollout` does not exist, so this script runs from $WORK).
 #     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0
 #     bash scripts/gap_h200.sh                   # OUT=runs/gap_h200 MODES="bf16 lora mxfp8" SOURCES=1 [CKPT=dir PROMPTS=file]
+#                                                # TRAINER_ATTENTION=flash: the trainer's FlashAttention path (default: engine)
 # Results: $OUT/{bf16,lora,mxfp8}.json and .png, $OUT/sources.json, $OUT/summary.md.
 #
 # Bars: the `trained` column of beam_rl/gap/bounds.py (R3 on mean |delta| per mode), read below.

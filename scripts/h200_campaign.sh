@@ -18,9 +18,11 @@
 # Stages:
 #   megatron       tests/gpu/test_megatron_gpu.py (parity under R3 per mode, a training step)
 #   kernels        tests/gpu/test_kernels_gpu.py
+#   trainer_gpu    tests/gpu/test_trainer_gpu.py (the trainer's fast paths against the definitions they replace)
 #   bridge         tests/gpu/test_bridge_gpu.py (Beam through Megatron-Bridge: distributed-optimizer step and
 #                  SkyRL's checkpoint save / load; needs the SkyRL kits installed)
-#   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096, bf16 / lora / mxfp8-emulated
+#   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096: baseline (plain PyTorch) / bf16 / lora / mxfp8-emulated /
+#                  the Megatron GPT MoE peer, profiled
 #   bench_rollout  scripts/bench_rollout.py: fused / compiled / eager builds, CUDA graphs
 #   bench_concurrency  scripts/bench_rollout.py --concurrency: decode at batch 1 / 64 / 256, async on / off,
 #                  R3 off / on, the Qwen3-MoE peer, weight updates (BENCH_CONCURRENCY_ARGS, e.g. "--variants beam-async")
@@ -28,7 +30,8 @@
 #   bench_kernels  scripts/bench_kernels.py (all kernels; BENCH_KERNELS_ARGS, e.g. "--tune --only boundary")
 #   gap            scripts/gap_h200.sh (bf16, lora, mxfp8; then gap_sources.py)
 #   gap_trained    scripts/pretrain_bytes.py (beam-mini as a byte LM on the stdlib, $PRETRAIN_S s), then
-#                  gap_h200.sh on that checkpoint with held-out prompts (MODES, default "bf16 lora")
+#                  gap_h200.sh on that checkpoint with held-out prompts (MODES, default "bf16 lora";
+#                  TRAINER_ATTENTION=flash for the trainer's FlashAttention path)
 #   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps; DAPO_ARGS, e.g. "--stop-after 4")
 #   rollout_check  scripts/gpu_rollout_check.py (capture paths, parity, in-place reload A -> B -> A)
 #   tp2            scripts/gpu_rollout_check.py --tensor-parallel 2 (needs 2 GPUs; run it alone)
@@ -72,14 +75,15 @@ stage_cmd() {
   case "$1" in
     megatron) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_megatron_gpu.py" ;;
     bridge) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_bridge_gpu.py" ;;
+    trainer_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_trainer_gpu.py" ;;
     kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py ${KERNELS_ARGS:-}" ;;
-    bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes bf16 lora mxfp8-emulated" ;;
+    bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes baseline bf16 lora mxfp8-emulated peer --profile --json $OUT/train.json ${BENCH_TRAIN_ARGS:-}" ;;
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs ${BENCH_ROLLOUT_ARGS:-}" ;;
     bench_concurrency) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --concurrency --checkpoint $CKPT --decode-batches 64,256 --decode-tokens 64 --repeats 15 --work $WORK --json $OUT/rollout_concurrency.json --log-dir $OUT/concurrency_logs ${BENCH_CONCURRENCY_ARGS:-}" ;;
     rollout_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_rollout_gpu.py" ;;
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json ${BENCH_KERNELS_ARGS:-}" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
-    gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' WORK=$WORK SOURCES=0 bash $REPO/scripts/gap_h200.sh" ;;
+    gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' TRAINER_ATTENTION=${TRAINER_ATTENTION:-engine} WORK=$WORK SOURCES=0 bash $REPO/scripts/gap_h200.sh" ;;
     dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200 ${DAPO_ARGS:-}" ;;
     rollout_check) echo "python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --json $OUT/rollout_check.json" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;

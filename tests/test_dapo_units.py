@@ -101,6 +101,8 @@ def test_recipe_unknown_key_and_bad_values_name_the_field(tmp_path):
         recipe_from_dict({"dapo": {"overlong": {"lenght": 3}}})
     with pytest.raises(RecipeError, match="train.mode"):
         recipe_from_dict({"train": {"mode": "fp4"}})
+    with pytest.raises(RecipeError, match="train.attention"):
+        recipe_from_dict({"train": {"attention": "fa3"}})
     with pytest.raises(RecipeError, match="rollout.group_size"):
         recipe_from_dict({"rollout": {"group_size": 1}})
     with pytest.raises(RecipeError, match="dapo.loss"):

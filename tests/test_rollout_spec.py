@@ -112,8 +112,9 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
 
     def engine(async_scheduling=True, **spec):
         spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE, **spec)
+        # on a GPU beside the session's engine (half the memory): the rest of it, not another half
         return start_rollout_engine(EngineSettings(model=checkpoint, seed=0, max_model_len=512, max_num_seqs=16,
-                                                   async_scheduling=async_scheduling,
+                                                   async_scheduling=async_scheduling, gpu_memory_utilization=0.3,
                                                    engine_args={"speculative_config": spec, "disable_log_stats": False}))
 
     got = {}

@@ -199,6 +199,10 @@ class TrainConfig:
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     recompute: bool = False
     """Full activation recompute (R3 replays in the recompute too)."""
+    attention: str = "engine"
+    """The trainer's attention: 'engine' (as the rollout engine reports computing it: the spec in FP32
+    on CUDA) or 'flash' (FlashAttention's algorithm, FlexAttention kernels on CUDA: several times
+    faster on long sequences; `beam-rl gap --trainer-attention flash` measures its gap)."""
     routing_replay: bool = True
     """R3: the trainer's routers replay the experts the rollout chose; false lets the trainer route
     for itself (the no-R3 contrast run: a larger trainer-rollout gap)."""
@@ -256,6 +260,7 @@ class Recipe:
 
         need(self.train.mode in TRAIN_MODES, "train.mode", f"choose one of {sorted(TRAIN_MODES)}")
         need(self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+        need(self.train.attention in ("engine", "flash"), "train.attention", "choose 'engine' or 'flash' (CUDA)")
         need(self.run.max_mean_abs_logprob_diff > 0, "run.max_mean_abs_logprob_diff", "must be > 0")
         need(self.model.checkpoint is None or (Path(self.model.checkpoint) / "config.json").exists(), "model.checkpoint",
              f"{self.model.checkpoint} has no config.json; give a Beam checkpoint directory or leave it unset")

@@ -195,7 +195,8 @@ class Job:
         r = self.r
         if ckpt is not None:
             hf = dict(read_tensors(ckpt / "hf", self.config))
-            self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute)
+            self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute,
+                                        attention=r.train.attention)
         else:
             self.policy, _, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
         if self.lora:

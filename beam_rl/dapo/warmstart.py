@@ -55,7 +55,8 @@ def initial_policy(recipe, config, task, tokenizer, log=print, evaluate=None):
 
     m = recipe.model
     base = load_checkpoint(m.checkpoint) if m.checkpoint else build_model(config, seed=m.init_seed)
-    policy = build_trainer(config, base.state_dict(), mode=recipe.train.mode, recompute=recipe.train.recompute)
+    policy = build_trainer(config, base.state_dict(), mode=recipe.train.mode, recompute=recipe.train.recompute,
+                           attention=recipe.train.attention)
     del base
     losses, evals = [], []
     if recipe.warm_start.steps:

@@ -31,12 +31,14 @@ def start_vllm(settings: EngineSettings):
     return start_llm(settings)
 
 
-def build_trainer(config, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234) -> TrainerBackend:
+def build_trainer(config, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234,
+                  attention: str = "engine") -> TrainerBackend:
     """The Megatron-Core Beam model of `config` with `hf_tensors` loaded, in training mode `mode`
-    (`TRAIN_MODES`), in this process (TP1)."""
+    (`TRAIN_MODES`), in this process (TP1); `attention` "engine" (as the rollout computes it) or
+    "flash" (CUDA)."""
     from beam_rl.engines.megatron import MegatronTrainer
 
-    return MegatronTrainer(config, hf_tensors, mode=mode, recompute=recompute, seed=seed)
+    return MegatronTrainer(config, hf_tensors, mode=mode, recompute=recompute, seed=seed, attention=attention)
 
 
 __all__ = ["TRAIN_MODES", "Adapter", "Completion", "EngineSettings", "RolloutEngine", "Sampling", "TrainMode", "TrainerBackend",

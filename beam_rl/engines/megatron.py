@@ -3,7 +3,8 @@ with FP32-master AdamW, R3 log-probs, the loss-agnostic update and the HF-named 
 
 Modes (`beam_rl.engines.base.TRAIN_MODES`): 'bf16' (BF16 parameters, FP32 master weights and Adam
 state), 'lora' (frozen BF16 base, FP32 PEFT adapters), 'mxfp8' (emulated MXFP8 linears off
-Blackwell, FP32 master).
+Blackwell, FP32 master). Attention: 'engine' (as the rollout engine reports computing it) or
+'flash' (FlashAttention's algorithm on CUDA, `beam_rl.megatron.attention.trainer_attention_dtype`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class MasterAdamW:
 class MegatronTrainer(TrainerBackend):
     """The Megatron Beam model being trained, with R3 log-probs and the optimizer update."""
 
-    def __init__(self, config: BeamConfig, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234):
+    def __init__(self, config: BeamConfig, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234,
+                 attention: str = "engine"):
         from beam_rl.megatron.attention import trainer_attention_dtype
         from beam_rl.megatron.cpu import init_single_process
         from beam_rl.megatron.provider import BeamModelProvider
@@ -75,17 +77,17 @@ class MegatronTrainer(TrainerBackend):
         if mode not in TRAIN_MODES:
             raise ValueError(f"train.mode={mode!r}; choose from {sorted(TRAIN_MODES)}")
         init_single_process(seed=seed)
-        self.config, self.mode = config, TRAIN_MODES[mode]
+        self.config, self.mode, self.attention = config, TRAIN_MODES[mode], attention
         # attention as the spec until the rollout engine reports how it computes it (`set_attention_numerics`)
         self.model = BeamModelProvider(config, mode=PROVIDER_MODES[self.mode.precision], recompute=recompute,
-                                       attention_dtype=trainer_attention_dtype(AttentionNumerics())).provide_loaded(hf_tensors).train()
+                                       attention_dtype=trainer_attention_dtype(AttentionNumerics(), attention)).provide_loaded(hf_tensors).train()
         self.optimizer: MasterAdamW | None = None
         self.lora_settings: tuple[int, float] | None = None
 
     def set_attention_numerics(self, kernel: AttentionNumerics) -> None:
         from beam_rl.megatron.attention import set_attention_numerics
 
-        set_attention_numerics(self.model, kernel)
+        set_attention_numerics(self.model, kernel, self.attention)
 
     def add_lora(self, r: int, alpha: float, seed: int) -> None:
         from beam_rl.megatron.lora import add_lora

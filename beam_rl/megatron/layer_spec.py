@@ -1,8 +1,8 @@
 """Beam's layer spec on Megatron's local (non-Transformer-Engine) path.
 
 Dense layers: Beam attention + MLP(ColumnParallelLinear fc1 = [gate | up], BeamSwiGLU,
-RowParallelLinear fc2). MoE layers: Beam attention + Megatron `MoELayer` with `BeamRouter` and
-`BeamExperts` (SequentialMLP of the same SwiGLU MLP). Every norm is `BeamRMSNorm`. The spec list
+RowParallelLinear fc2). MoE layers: Beam attention + `BeamMoELayer` (Megatron's `MoELayer`) with
+`BeamRouter` and `BeamExperts` (SequentialMLP of the same SwiGLU MLP, run as grouped GEMMs). Every norm is `BeamRMSNorm`. The spec list
 is global and sliced to this pipeline stage, like Megatron's `get_gpt_decoder_block_spec`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from beam_rl.megatron.attention import BeamAttentionSubmodules, BeamSelfAttention
 from beam_rl.megatron.layers import BeamTransformerLayer, BeamTransformerLayerSubmodules
 from beam_rl.megatron.norms import BeamRMSNorm, BeamSwiGLU
-from beam_rl.megatron.router import BeamExperts, BeamRouter
+from beam_rl.megatron.router import BeamExperts, BeamMoELayer, BeamRouter
 
 
 def _mlp_submodules(linear_cls=(ColumnParallelLinear, RowParallelLinear)) -> MLPSubmodules:
@@ -44,7 +44,7 @@ def beam_layer_spec(*, moe: bool, attention_params: dict, linear_cls=(ColumnPara
     )
     if moe:
         mlp = ModuleSpec(
-            module=MoELayer,
+            module=BeamMoELayer,
             submodules=MoESubmodules(
                 router=BeamRouter,
                 experts=ModuleSpec(module=BeamExperts, submodules=_mlp_submodules(linear_cls)),

@@ -7,7 +7,7 @@ is n = 2L and the MLP add n = 2L + 1 on every pipeline stage:
     x = prenorm(h); h, x = boundary(attn(x), h, n=2L); h, _ = boundary(mlp(x), h, n=2L+1)
 
 where `boundary` is `beam_rl.model.numerics.sublayer_boundary` (post-norm, round(y * x_scale) +
-round(h * r_scale), rounded). Dropout is not part of Beam (hidden_dropout must be 0).
+round(h * r_scale), rounded), computed by `beam_rl.megatron.fused`. Dropout is not part of Beam (hidden_dropout must be 0).
 
 `BeamGPTModel` (a `GPTModel`, position_embedding_type="none"): hands the position ids to the
 layers where Megatron passes rotary embeddings, and returns FP32 soft-capped logits [b, s, V]
@@ -27,6 +27,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from beam_rl.megatron import fused
 from beam_rl.model import numerics
 
 
@@ -36,7 +37,7 @@ class BeamTransformerLayerSubmodules(TransformerLayerSubmodules):
     post_mlp_layernorm: Union[ModuleSpec, type] = None
 
 
-class BeamTransformerLayer(TransformerLayer):
+class BeamTransformerLayer(fused.FastPaths, TransformerLayer):
     def __init__(self, config, submodules: BeamTransformerLayerSubmodules, layer_number: int = 1, **kwargs):
         if config.hidden_dropout or config.attention_dropout:
             raise ValueError("Beam has no dropout; set hidden_dropout=0 and attention_dropout=0")
@@ -56,14 +57,15 @@ class BeamTransformerLayer(TransformerLayer):
         x = self.input_layernorm(h)
         attn, _ = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                                       packed_seq_params=kwargs.get("packed_seq_params"))
-        h, x = numerics.sublayer_boundary(attn, h, self.post_self_attn_layernorm.weight,
+        boundary = fused.sublayer_boundary if self.fast_paths else numerics.sublayer_boundary
+        h, x = boundary(attn, h, self.post_self_attn_layernorm.weight,
                                           self.pre_mlp_layernorm.weight, n, eps)
         if self.is_moe_layer:
             mlp_out, _ = self.mlp(x, padding_mask=padding_mask)
         else:
             mlp_out, _ = self.mlp(x)
         mlp_out = mlp_out.to(h.dtype)  # MoE combines in FP32 and rounds here, once
-        h, _ = numerics.sublayer_boundary(mlp_out, h, self.post_mlp_layernorm.weight, None, n + 1, eps)
+        h, _ = boundary(mlp_out, h, self.post_mlp_layernorm.weight, None, n + 1, eps)
         return h, context
 
 
@@ -138,6 +140,11 @@ class BeamGPTModel(GPTModel):
         out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
         if position_ids is None:
             raise ValueError("BeamGPTModel needs position_ids [b, s] (int64)")
+        # checked once here (one host sync) for every layer's RoPE / SSMax table lookup
+        lo, hi = torch.stack(torch.aminmax(position_ids)).tolist() if position_ids.numel() else (0, 0)
+        if lo < 0 or hi >= self.max_sequence_length:
+            raise ValueError(f"position ids span [{lo}, {hi}]; they must lie in [0, max_position_embeddings="
+                             f"{self.max_sequence_length})")
         out[1] = position_ids.long()  # the rotary_pos_emb slot carries the position ids
         return tuple(out)
 

@@ -29,10 +29,20 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, tempera
         raise ValueError(f"mode={mode!r}; choose 'raw' (vLLM raw_logprobs) or 'processed' (logits / temperature)")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = temperature if mode == "processed" else 1.0
+    if logits.is_cuda:  # one fused pass over the [tokens, vocab] logits each way instead of several
+        return _compiled_logprobs(logits, targets, temperature)
+    return _logprobs(logits, targets, temperature)
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = logits.float()
-    if mode == "processed" and temperature != 1.0:
+    if temperature != 1.0:
         logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+
+
+_compiled_logprobs = torch.compile(_logprobs, dynamic=None)
 
 
 def sequence_logprobs(

@@ -67,13 +67,21 @@ class LoRAAdapter(torch.nn.Module):
         return super()._apply(keep_fp32, recurse)
 
     def delta(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """FP32 tensor holding d = rnd(rnd(x A'^T) B'^T) per slice (module docstring), `rnd` to `dtype`."""
-        xf = x.float()
+        """d = rnd(rnd(x A'^T) B'^T) per slice (module docstring), `rnd` to `dtype`: as `dtype` on CUDA
+        tensor cores, else as FP32 holding those values."""
+        tensor_cores = x.is_cuda and x.dtype == dtype == torch.bfloat16
+        xf = x if tensor_cores else x.float()
         out = []
         for a, b in zip(self.A, self.B):
             a_r = _round(a.float(), dtype)
             b_r = _round(_round(b.float(), dtype) * self.scaling, dtype)
-            out.append(_round(_round(xf @ a_r.t(), dtype) @ b_r.t(), dtype))
+            if tensor_cores:
+                # BF16 operands, FP32 accumulation, one rounding per GEMM: the products of the FP32 GEMM
+                # below, exact either way, accumulated as vLLM's Triton LoRA kernels accumulate them;
+                # kept in BF16 (the values are rounded already)
+                out.append((xf @ a_r.to(dtype).t()) @ b_r.to(dtype).t())
+            else:
+                out.append(_round(_round(xf @ a_r.t(), dtype) @ b_r.t(), dtype))
         return torch.cat(out, dim=-1)
 
 
@@ -93,9 +101,18 @@ def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if dtype == t.dtype else _RoundSTE.apply(t, dtype)
 
 
+def _add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """y = rnd(base + d): the FP32 sum of the two, rounded once to the base output's dtype."""
+    return (out.float() + delta.float()).to(out.dtype)
+
+
+_add_rounded_compiled = torch.compile(_add_rounded, dynamic=None)  # one pass instead of three on CUDA
+
+
 def _lora_hook(module, inputs, output):
     out, bias = output
-    return (out.float() + module.lora.delta(inputs[0], out.dtype)).to(out.dtype), bias
+    add = _add_rounded_compiled if out.is_cuda else _add_rounded
+    return add(out, module.lora.delta(inputs[0], out.dtype)), bias
 
 
 def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:

@@ -30,10 +30,18 @@ def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     pad = (-k) % BLOCK
     xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
     blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK, BLOCK)  # (..., K'/32, 32); explicit: an expert may get 0 tokens
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    exp = torch.ceil(torch.log2(amax.clamp_min(2.0**-126) / E4M3_MAX)).clamp(-127, 127)
+    exp = _scale_exponent(blocks.abs().amax(dim=-1, keepdim=True))
     values = (blocks / torch.exp2(exp)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return values.reshape(xf.shape), exp.squeeze(-1).to(torch.int16)
+
+
+def _scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """ceil(log2(amax / 448)) exactly (from the FP32 quotient's binary exponent, so every device and
+    compiler agrees; a rounded log2 can land on the integer below), clamped to E8M0's [-127, 127]."""
+    q = amax.clamp_min(2.0**-126) / E4M3_MAX
+    mantissa, exponent = torch.frexp(q)  # q = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exp = torch.where(mantissa == 0.5, exponent - 1, exponent).float()
+    return torch.where(torch.isfinite(q), exp, 127.0).clamp(-127, 127)
 
 
 def mxfp8_dequantize(values: torch.Tensor, exp: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -41,11 +49,24 @@ def mxfp8_dequantize(values: torch.Tensor, exp: torch.Tensor, k: int, dtype: tor
     return blocks.reshape(values.shape)[..., :k].to(dtype)
 
 
+def _quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
+    values, exp = mxfp8_quantize(x)
+    return mxfp8_dequantize(values, exp, x.shape[-1], x.dtype)
+
+
+# One fused kernel on CUDA instead of a dozen passes with FP32 temporaries; every step is exact or a
+# round-to-nearest-even cast, so the compiled values equal the eager ones (tests/gpu). Dynamic shapes:
+# one graph for every linear's weight and activation of a rank.
+_quantize_dequantize_compiled = torch.compile(_quantize_dequantize, dynamic=True)
+
+
 class _FakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        values, exp = mxfp8_quantize(x)
-        return mxfp8_dequantize(values, exp, x.shape[-1], x.dtype)
+        if not x.is_cuda:
+            return _quantize_dequantize(x)
+        # a plain tensor: a Parameter would be a guard of its own (a recompile per type and shape)
+        return _quantize_dequantize_compiled(x.detach() if isinstance(x, torch.nn.Parameter) else x)
 
     @staticmethod
     def backward(ctx, grad):

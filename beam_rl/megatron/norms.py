@@ -2,7 +2,8 @@
 
 Numerics (beam_rl.model.numerics): RMSNorm computes x * rsqrt(mean(x^2) + eps) * w in FP32 and rounds
 once after the weight multiply; SwiGLU computes silu(gate) * up in FP32 and rounds only the
-product. Megatron's own local norms / `glu` round at other points, so the spec uses these.
+product. Megatron's own local norms / `glu` round at other points, so the spec uses these, through
+`beam_rl.megatron.fused` (the rollout's kernels forward, a fused backward).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from beam_rl.megatron import fused
 from beam_rl.model import numerics
 
 
-class BeamRMSNorm(MegatronModule):
+class BeamRMSNorm(fused.FastPaths, MegatronModule):
     """RMSNorm with a plain weight (initialised to ones); `build_module(config, hidden_size, eps)`."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_):
@@ -26,10 +28,12 @@ class BeamRMSNorm(MegatronModule):
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast_paths:
+            return fused.rms_norm(x, self.weight, self.eps)
         return numerics.rms_norm(x, self.weight, self.eps)
 
 
-class BeamSwiGLU(MegatronModule):
+class BeamSwiGLU(fused.FastPaths, MegatronModule):
     """Activation of a fused fc1 output [..., 2F] laid out [gate | up] (Megatron's GLU layout):
     silu(gate) * up in FP32, rounded once. Used through `use_te_activation_func=True`, the MLP
     hook that hands the whole fc1 output to a module."""
@@ -38,5 +42,6 @@ class BeamSwiGLU(MegatronModule):
         super().__init__(config=config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.chunk(x, 2, dim=-1)
-        return numerics.silu_and_mul(gate, up)
+        if self.fast_paths:
+            return fused.silu_and_mul(x)
+        return numerics.silu_and_mul(*torch.chunk(x, 2, dim=-1))

@@ -253,14 +253,40 @@ def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, cap: float | None
     Why FP32: a BF16 logit has a ulp of 0.0156 at |logit| in [2, 4) and 0.125 near a soft cap of
     30, so one flipped rounding moves a token's log-prob by more than R3's whole 0.01 budget.
     On CPU the GEMM accumulates in FP64 and rounds once to FP32 (independent of the token count,
-    so cached and uncached generation agree); on CUDA it is an FP32 GEMM (TF32 off). Every engine
-    calls this function, so all of them compute the same quantity.
-    """
+    so cached and uncached generation agree); on CUDA BF16 operands go to the tensor cores with
+    FP32 accumulation and FP32 output (every product of two BF16 values is exact in FP32, so this
+    is an FP32 GEMM of those values, 10x faster than one on FP32 copies; measured on the H200 within
+    2.2e-6 of it relative to the largest logit), other dtypes to an FP32 GEMM (TF32 off). Every
+    engine calls this function, so all of them compute the same quantity. Its gradient (the
+    trainer's) runs in BF16: `_FP32OutputGemm`."""
     if hidden.is_cuda:
-        logits = hidden.float() @ weight.float().t()
+        if hidden.dtype == weight.dtype == torch.bfloat16:
+            logits = _FP32OutputGemm.apply(hidden, weight)
+        else:
+            logits = hidden.float() @ weight.float().t()
     else:
         logits = (hidden.double() @ weight.double().t()).float()
     return softcap(logits, cap)
+
+
+class _FP32OutputGemm(torch.autograd.Function):
+    """hidden [..., K] @ weight[N, K]^T for BF16 operands on CUDA: FP32 accumulation and FP32 output.
+    Backward: the FP32 output gradient rounded to BF16, then BF16 GEMMs (mixed-precision gradients;
+    the forward is what the rollout computes, the backward only steers the update)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).to(hidden.dtype)
+        d_hidden = (g @ weight).view(hidden.shape) if ctx.needs_input_grad[0] else None
+        d_weight = g.t() @ hidden.reshape(-1, hidden.shape[-1]) if ctx.needs_input_grad[1] else None
+        return d_hidden, d_weight
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

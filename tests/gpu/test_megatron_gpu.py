@@ -44,11 +44,12 @@ def _logprobs(logits, ids):
     return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
-def _fp32_attention(q, k, v, q_positions, k_positions, sliding_window, probs="exact"):
-    """numerics.attention accumulated in FP32 instead of FP64 (a last-bit perturbation); exact probabilities only."""
+def _fp32_attention(q, k, v, q_positions, k_positions, sliding_window, kernel=None):
+    """numerics.attention accumulated in FP32 instead of FP64 (a last-bit perturbation); the spec's
+    definition only (exact probabilities, rounded to nearest)."""
     from beam_rl.model import numerics
 
-    assert probs == "exact", f"the FP32 perturbation is of the exact definition, not probs={probs!r}"
+    assert kernel in (None, numerics.AttentionNumerics()), f"the FP32 perturbation is of the spec's definition, not {kernel}"
     scores = numerics.attention_scores(q, k, q_positions, k_positions, sliding_window, dtype=torch.float32)
     return numerics.attention_values(torch.softmax(scores, dim=-1), v)
 

@@ -1,0 +1,150 @@
+"""The trainer's CUDA fast paths on one GPU, each against the definition it replaces, at training
+shapes (beam-mini widths, 4 x 1024 tokens). Skips cleanly without CUDA or megatron-core.
+
+- `fused` ops: forward (Triton) equal to `numerics` bit for bit, compiled backward equal to
+  autograd of `numerics` within BF16 precision of the largest gradient;
+- emulated MXFP8 compiled into one kernel: the eager quantise-dequantise's values, bit for bit;
+- "flash" attention (FlexAttention): outputs and gradients against FP32 attention;
+- the LM head's FP32-output BF16 GEMM against an FP32 GEMM, and its BF16 gradient;
+- grouped-GEMM experts against the per-expert loop;
+- compiled log-probs against eager ones.
+Run: `python -m pytest -q -s tests/gpu/test_trainer_gpu.py` (`h200_campaign.sh trainer_gpu`).
+"""
+
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("megatron.core")
+
+from beam_rl.megatron import fused  # noqa: E402
+from beam_rl.model import numerics  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+T, H, KV, D, HIDDEN = 4096, 16, 4, 128, 1024
+
+
+def _grads(fn, inputs, out_grads, diff):
+    leaves = [t.detach().clone().requires_grad_(i in diff) if isinstance(t, torch.Tensor) else t for i, t in enumerate(inputs)]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o.float() * g).sum() for o, g in zip(outs, out_grads) if o is not None)
+    return outs, torch.autograd.grad(loss, [leaves[i] for i in diff])
+
+
+def test_fused_ops_forward_bitwise_backward_close():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(BF16)  # noqa: E731
+    w = lambda n: (1 + 0.2 * torch.randn(n, generator=gen, device="cuda")).to(BF16)  # noqa: E731
+    pos = torch.arange(T, device="cuda") % 1024
+    rope = numerics.rope_cos_sin_cache(4096, D, 10000.0).cuda()
+    ssmax = numerics.ssmax_scale_cache(4096).cuda()
+    cases = [
+        ("rms_norm", fused.rms_norm, numerics.rms_norm, (r(T, HIDDEN), w(HIDDEN), 1e-6), (0, 1)),
+        ("boundary", fused.sublayer_boundary, numerics.sublayer_boundary, (r(T, HIDDEN), r(T, HIDDEN), w(HIDDEN), w(HIDDEN), 7, 1e-6), (0, 1, 2, 3)),
+        ("qk rope", fused.qk_norm_rope_ssmax, numerics.qk_norm_rope_ssmax, (r(T, H, D), r(T, KV, D), w(D), w(D), pos, 1e-6, rope, None), (0, 1, 2, 3)),
+        ("qk ssmax", fused.qk_norm_rope_ssmax, numerics.qk_norm_rope_ssmax, (r(T, H, D), r(T, KV, D), w(D), w(D), pos, 1e-6, None, ssmax), (0, 1, 2, 3)),
+        ("output gate", fused.output_gate, numerics.output_gate, (r(T, H, D), r(T, H, D), r(H)), (0, 1, 2)),
+        ("silu and mul", fused.silu_and_mul, lambda x: numerics.silu_and_mul(*x.chunk(2, -1)), (r(T, 1024) * 3,), (0,)),
+    ]
+    for name, fast, spec, inputs, diff in cases:
+        ref = spec(*inputs)
+        ref = ref if isinstance(ref, tuple) else (ref,)
+        out_grads = [torch.randn(o.shape, generator=gen, device="cuda") for o in ref if o is not None]
+        outs, got = _grads(fast, inputs, out_grads, diff)
+        spec_outs, want = _grads(spec, inputs, out_grads, diff)
+        for o, s in zip(outs, spec_outs):
+            assert o is None or torch.equal(o, s), f"{name}: forward differs from numerics"
+        worst = max(((g.float() - w_.float()).abs().max() / w_.float().abs().max()).item() for g, w_ in zip(got, want))
+        print(f"\n{name}: forward bit-equal; backward max |diff| / max |grad| = {worst:.2e}")
+        assert worst <= 2e-2, name
+
+
+def test_compiled_mxfp8_equals_eager():
+    from beam_rl.megatron.mxfp8 import _quantize_dequantize, mxfp8_fake_quant
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for shape in ((T, HIDDEN), (64, 1024, 1024), (T, 40)):
+        x = (torch.randn(*shape, generator=gen, device="cuda") * torch.logspace(-4, 4, shape[-1], device="cuda")).to(BF16)
+        assert torch.equal(mxfp8_fake_quant(x), _quantize_dequantize(x)), shape
+
+
+def test_flash_attention_against_fp32():
+    from beam_rl.megatron.attention import flash_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    b, s = 4, 1024
+    q, k, v = (torch.randn(b, n, s, D, generator=gen, device="cuda").to(BF16) for n in (H, KV, KV))
+    positions = torch.arange(s, device="cuda").expand(b, s)
+    go = torch.randn(b, H, s, D, generator=gen, device="cuda")
+    for window in (None, 512):
+        outs, got = _grads(lambda q, k, v: flash_attention(q, k, v, positions, window), (q, k, v), [go], (0, 1, 2))
+        idx = torch.arange(s, device="cuda")
+        vis = (idx[None, :] <= idx[:, None]) & ((idx[:, None] - idx[None, :] < window) if window else True)
+
+        def exact(q, k, v):
+            kr, vr = k.float().repeat_interleave(H // KV, 1), v.float().repeat_interleave(H // KV, 1)
+            return torch.nn.functional.scaled_dot_product_attention(q.float(), kr, vr, attn_mask=vis, scale=1 / math.sqrt(D))
+
+        ref, want = _grads(exact, (q, k, v), [go], (0, 1, 2))
+        out_err = ((outs[0].float() - ref[0]).norm() / ref[0].norm()).item()
+        grad_err = max(((g.float() - w_).norm() / w_.norm()).item() for g, w_ in zip(got, want))
+        print(f"\nflash window={window}: output rel. error {out_err:.2e}, gradients {grad_err:.2e} (vs FP32 attention)")
+        assert out_err < 1e-2 and grad_err < 2e-2
+
+
+def test_lm_head_fp32_output_gemm():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(T, HIDDEN, generator=gen, device="cuda").to(BF16).requires_grad_()
+    w = (torch.randn(32768, HIDDEN, generator=gen, device="cuda") * 0.05).to(BF16).requires_grad_()
+    logits = numerics.lm_head_logits(h, w, None)
+    ref = h.detach().float() @ w.detach().float().t()
+    err = ((logits - ref).abs().max() / ref.abs().max()).item()
+    g = torch.randn_like(logits)
+    (logits * g).sum().backward()
+    want_h = g @ w.detach().float()
+    grad_err = ((h.grad.float() - want_h).norm() / want_h.norm()).item()
+    print(f"\nLM head: FP32-output BF16 GEMM vs FP32 GEMM max |diff| / max |logit| {err:.2e}; input gradient rel. error {grad_err:.2e}")
+    assert logits.dtype == torch.float32 and err < 1e-5 and grad_err < 1e-2
+
+
+def test_grouped_experts_equal_loop_on_gpu():
+    from beam_rl.megatron.cpu import init_single_process
+    from beam_rl.megatron.provider import BeamModelProvider
+    from beam_rl.megatron.router import BeamExperts
+    from beam_rl.model.presets import get_preset
+
+    init_single_process()
+    config = get_preset("beam-mini")
+    model = BeamModelProvider(config, mode="bf16").provide_wrapped().cuda()
+    experts = next(m for m in model.modules() if isinstance(m, BeamExperts))
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    counts = torch.randint(0, 4096, (len(experts.local_experts),), generator=gen, device="cuda")
+    counts[3] = 0
+    x = torch.randn(int(counts.sum()), config.hidden_size, generator=gen, device="cuda").to(BF16)
+    probs = torch.rand(x.shape[0], generator=gen, device="cuda")
+    outs = []
+    for grouped in (True, False):
+        experts.fast_paths = grouped
+        with torch.no_grad():
+            outs.append(experts(x, counts, probs)[0])
+    equal = (outs[0] == outs[1]).float().mean().item()
+    err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
+    print(f"\ngrouped experts vs loop: {equal:.2%} of outputs bit-equal, max |diff| / max {err:.2e}")
+    assert err < 1e-2
+
+
+def test_compiled_logprobs_equal_eager():
+    from beam_rl.megatron.logprobs import _logprobs, logprobs_from_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = torch.randn(4, 512, 32768, generator=gen, device="cuda") * 3
+    targets = torch.randint(0, 32768, (4, 512), generator=gen, device="cuda")
+    for mode, temp in (("raw", 1.0), ("processed", 0.7)):
+        got = logprobs_from_logits(logits, targets, temperature=temp, mode=mode)
+        want = _logprobs(logits, targets, temp if mode == "processed" else 1.0)
+        assert (got - want).abs().max().item() < 1e-4

@@ -1,0 +1,216 @@
+"""The trainer's fast paths on CPU, each against the definition it replaces.
+
+- `beam_rl.megatron.fused`: forward equal to `beam_rl.model.numerics` bit for bit; the hand-written
+  backward equal to autograd of the numerics function (FP32 to FP32 precision, BF16 within BF16
+  precision of the largest gradient);
+- grouped-GEMM experts (`BeamExperts`): outputs and every gradient equal to the per-expert loop's,
+  in BF16 and emulated MXFP8, with an expert that gets no token;
+- FlexAttention's block mask (`attention_dtype="flash"`, forward only: FlexAttention has no CPU
+  backward): the visibility rule of the explicit attention, padding with SkyRL's zero positions and
+  the sliding window included;
+- the MXFP8 scale exponent from the binary exponent equals ceil(log2) away from its rounding edge
+  and is exact at it.
+The CUDA kernels behind them (Triton forward, compiled backward, FlexAttention, the grouped GEMM and
+the FP32-output LM head) are checked on the H200 by tests/gpu/test_trainer_gpu.py.
+"""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from beam_rl.megatron import fused  # noqa: E402
+from beam_rl.model import numerics  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def _grads(fn, inputs, out_grads, diff):
+    """Outputs of fn(*inputs) and the gradients of sum(out * g) w.r.t. inputs[i] for i in diff."""
+    leaves = [t.detach().clone().requires_grad_(i in diff) if isinstance(t, torch.Tensor) else t for i, t in enumerate(inputs)]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    loss = sum((o.float() * g).sum() for o, g in zip(outs, out_grads) if o is not None)
+    return outs, torch.autograd.grad(loss, [leaves[i] for i in diff])
+
+
+def _assert_grads_close(got, want, dtype, name):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (name, i)
+        err = (g.float() - w.float()).abs().max().item()
+        scale = w.float().abs().max().item()
+        # FP32: reassociation only; BF16: both round the same values, the gradients' own rounding differs
+        assert err <= (1e-5 if dtype == torch.float32 else 2e-2) * scale, (name, i, err, scale)
+
+
+def _cases(dtype, gen):
+    T, H, KV, D, hidden = 12, 4, 2, 16, 32
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    w = lambda n: (1 + 0.2 * torch.randn(n, generator=gen)).to(dtype)  # noqa: E731
+    pos = torch.randint(0, 64, (T,), generator=gen)
+    rope = numerics.rope_cos_sin_cache(64, D, 10000.0)
+    ssmax = numerics.ssmax_scale_cache(64)
+    return [
+        ("rms_norm", fused.rms_norm, numerics.rms_norm, (r(T, hidden), w(hidden), 1e-6), (0, 1)),
+        ("boundary", fused.sublayer_boundary, numerics.sublayer_boundary, (r(T, hidden), r(T, hidden), w(hidden), w(hidden), 7, 1e-6), (0, 1, 2, 3)),
+        ("last boundary", fused.sublayer_boundary, numerics.sublayer_boundary, (r(T, hidden), r(T, hidden), w(hidden), None, 9, 1e-6), (0, 1, 2)),
+        ("qk rope", fused.qk_norm_rope_ssmax, numerics.qk_norm_rope_ssmax, (r(T, H, D), r(T, KV, D), w(D), w(D), pos, 1e-6, rope, None), (0, 1, 2, 3)),
+        ("qk ssmax", fused.qk_norm_rope_ssmax, numerics.qk_norm_rope_ssmax, (r(T, H, D), r(T, KV, D), w(D), w(D), pos, 1e-6, None, ssmax), (0, 1, 2, 3)),
+        ("output gate", fused.output_gate, numerics.output_gate, (r(T, H, D), r(T, H, D), r(H)), (0, 1, 2)),
+        ("silu and mul", fused.silu_and_mul, lambda x: numerics.silu_and_mul(*x.chunk(2, -1)), (r(T, 48) * 3,), (0,)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_fused_ops_forward_is_numerics_and_backward_its_gradient(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for name, fast, spec, inputs, diff in _cases(dtype, gen):
+        ref_outs = spec(*inputs)
+        ref_outs = ref_outs if isinstance(ref_outs, tuple) else (ref_outs,)
+        out_grads = [torch.randn(o.shape, generator=gen) for o in ref_outs if o is not None]
+        outs, got = _grads(fast, inputs, out_grads, diff)
+        spec_outs, want = _grads(spec, inputs, out_grads, diff)
+        for o, s in zip(outs, spec_outs, strict=True):
+            assert (o is None) == (s is None), name
+            assert o is None or torch.equal(o, s), f"{name}: the forward must be the numerics function's, bit for bit"
+        _assert_grads_close(got, want, dtype, name)
+
+
+def test_boundary_backward_without_a_used_next_input():
+    """The last boundary's `next` output unused (None gradient) and a residual nobody reads: the
+    backward takes what it gets."""
+    gen = torch.Generator().manual_seed(1)
+    x, h = torch.randn(5, 32, generator=gen, requires_grad=True), torch.randn(5, 32, generator=gen, requires_grad=True)
+    wp, wn = torch.ones(32, requires_grad=True), torch.ones(32, requires_grad=True)
+    h_new, nxt = fused.sublayer_boundary(x, h, wp, wn, 4, 1e-6)
+    h_new.sum().backward()
+    assert wn.grad is None or torch.count_nonzero(wn.grad) == 0
+    assert torch.isfinite(x.grad).all() and torch.isfinite(wp.grad).all()
+
+
+@pytest.fixture(scope="module")
+def world():
+    from beam_rl.megatron.cpu import init_single_process
+
+    init_single_process()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "mxfp8-emulated"])
+def test_grouped_experts_equal_the_per_expert_loop(world, tiny_config, mode):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from beam_rl.megatron.provider import BeamModelProvider
+    from beam_rl.megatron.router import BeamExperts
+
+    torch.manual_seed(0)
+    model = BeamModelProvider(tiny_config, mode=mode).provide_wrapped()
+    experts = next(m for m in model.modules() if isinstance(m, BeamExperts))
+    assert next(m for m in model.modules() if isinstance(m, MoELayer)).experts is experts
+    E, hidden = len(experts.local_experts), tiny_config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 9, (E,), generator=gen)
+    counts[1] = 0  # an expert without tokens still gets a (zero) gradient
+    x = torch.randn(int(counts.sum()), hidden, generator=gen).to(BF16)
+    probs = torch.rand(x.shape[0], generator=gen)
+    g = torch.randn(x.shape[0], hidden, generator=gen)
+    results = []
+    for grouped in (True, False):
+        experts.zero_grad(set_to_none=True)
+        xl = x.clone().requires_grad_(True)
+        experts.fast_paths = grouped
+        out, _ = experts(xl, counts, probs)
+        (out * g).sum().backward()
+        results.append((out.detach(), xl.grad, [p.grad.clone() for p in experts.parameters()]))
+    (out_g, dx_g, dw_g), (out_l, dx_l, dw_l) = results
+    assert out_g.dtype == torch.float32
+    assert torch.equal(out_g, out_l), "grouped GEMMs must compute each expert's own GEMM"
+    torch.testing.assert_close(dx_g, dx_l, rtol=0, atol=0)
+    for a, b in zip(dw_g, dw_l, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert torch.count_nonzero(dw_g[2]) == 0 and torch.count_nonzero(dw_g[3]) == 0  # expert 1's fc1 / fc2
+
+
+def test_flash_block_mask_keeps_the_visibility_rule():
+    from beam_rl.megatron.attention import flash_attention
+
+    gen = torch.Generator().manual_seed(0)
+    b, H, KV, s, D = 2, 4, 2, 48, 16
+    q, k, v = (torch.randn(b, n, s, D, generator=gen).to(BF16) for n in (H, KV, KV))
+    positions = torch.arange(s).expand(b, s).clone()
+    positions[1, 37:] = 0  # SkyRL pads with position 0: by position alone real tokens would see it
+    for window in (None, 16):
+        got = flash_attention(q, k, v, positions, window)
+        for row in range(b):
+            n = 37 if row == 1 else s  # the row's real tokens; padding queries attend to whatever
+            want = numerics.attention(q[row, :, :n].transpose(0, 1), k[row, :, :n].transpose(0, 1), v[row, :, :n].transpose(0, 1),
+                                      positions[row, :n], positions[row, :n], window).transpose(0, 1)
+            err = (got[row, :, :n].float() - want.float()).abs().max().item()
+            assert err <= 2e-2, (window, row, err)  # BF16 P and output vs the FP64 spec
+
+
+def test_trainer_attention_choice():
+    from beam_rl.megatron.attention import trainer_attention_dtype
+
+    assert trainer_attention_dtype(numerics.AttentionNumerics()) == "fp32"
+    assert trainer_attention_dtype(numerics.AttentionNumerics(probs="bf16")) == "bf16-probs"
+    with pytest.raises(ValueError, match="'flash' needs CUDA"):
+        trainer_attention_dtype(numerics.AttentionNumerics(), "flash")
+    with pytest.raises(ValueError, match="choose from"):
+        trainer_attention_dtype(numerics.AttentionNumerics(), "fa3")
+
+
+def test_flash_refuses_rounding_toward_zero():
+    from beam_rl.megatron.attention import flash_attention
+
+    q = torch.zeros(1, 1, 4, 8, dtype=BF16)
+    with pytest.raises(ValueError, match="output_rounding='toward_zero'"):
+        flash_attention(q, q, q, torch.arange(4)[None], None, "toward_zero")
+
+
+def test_mxfp8_exponent_is_ceil_log2_exactly():
+    from beam_rl.megatron.mxfp8 import E4M3_MAX, _scale_exponent
+
+    gen = torch.Generator().manual_seed(0)
+    amax = torch.rand(10000, generator=gen) * torch.logspace(-20, 20, 10000)
+    got = _scale_exponent(amax)
+    q = amax / E4M3_MAX
+    exact = torch.tensor([math.ceil(math.log2(v)) for v in q.double().tolist()], dtype=torch.float32)
+    assert torch.equal(got, exact)
+    # just above a power of two: log2 in FP32 rounds to the integer, the exponent does not
+    edge = torch.tensor([E4M3_MAX * 2.0**-5 * (1 + 2**-23)])
+    assert _scale_exponent(edge).item() == -4
+    assert _scale_exponent(torch.tensor([E4M3_MAX * 2.0**-5])).item() == -5
+
+
+def test_fast_paths_equal_plain_pytorch_on_the_whole_model(world, tiny_model, tiny_config):
+    """beam-tiny on CPU with R3 replay: the trainer's fast paths (fused ops, one-rank dispatcher,
+    grouped experts) give the plain-PyTorch model's log-probs bit for bit (every kernel they replace
+    falls back to its definition on CPU, and the permutation is Megatron's), and its gradients to
+    FP32 reassociation."""
+    from beam_rl.megatron import replay as r3
+    from beam_rl.megatron.fused import set_fast_paths
+    from beam_rl.megatron.logprobs import sequence_logprobs
+    from beam_rl.megatron.provider import BeamModelProvider
+    from beam_rl.megatron.router import OneRankTokenDispatcher
+
+    ids = torch.randint(0, tiny_config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        routed = tiny_model(ids).routed_experts
+    model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict()).train()
+    assert any(isinstance(getattr(m, "token_dispatcher", None), OneRankTokenDispatcher) for m in model.modules())
+    results = []
+    for fast in (True, False):
+        set_fast_paths(model, fast)
+        model.zero_grad(set_to_none=True)
+        lp, mask = sequence_logprobs(model, ids, config=tiny_config, routed_experts=routed)
+        (-(lp * mask).sum() / mask.sum()).backward()
+        r3.clear_replay(model)
+        results.append((lp.detach(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (lp_fast, g_fast), (lp_plain, g_plain) = results
+    assert torch.equal(lp_fast, lp_plain)
+    assert g_fast.keys() == g_plain.keys()
+    for name in g_plain:  # the plain model rounds per-element gradients to BF16 where its forward rounds
+        rel = ((g_fast[name] - g_plain[name]).norm() / g_plain[name].norm().clamp_min(1e-30)).item()
+        assert rel <= 2e-2, (name, rel)
