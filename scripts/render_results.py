@@ -59,10 +59,12 @@ INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the ind
                 "group (beam-rl's default at these lengths) and vLLM's hybrid KV cache, beside vLLM's own Qwen3-MoE "
                 "class of the same size with random weights (the peer). Not measured on the H200 yet: tensor "
                 "parallelism (`h200_campaign.sh tp2`)."),
-    "trainer": ("Trainer", "Megatron-Core model: parity with the reference, training step speed",
-                "The Megatron-Core Beam model (`beam_rl/megatron/`) against the reference model, and one training step "
-                "(forward with R3 replay of random expert ids, backward of a log-prob loss, SGD). MFU: 6 x active "
-                "parameters x tokens + attention over 989 TFLOP/s; the local spec runs the experts as small GEMMs."),
+    "trainer": ("Trainer", "Megatron-Core model: parity with the reference, fast paths, training step speed and where it goes",
+                "The Megatron-Core Beam model (`beam_rl/megatron/`) against the reference model, its CUDA fast paths against "
+                "the definitions they replace, and one training step (forward with R3 replay of random expert ids, "
+                "backward of a log-prob loss, SGD), with where the time goes. Fast paths: pointwise ops by the rollout's "
+                "Triton kernels forward (bit-identical to `numerics`) and compiled backwards (`fused.py`), grouped-GEMM "
+                "experts, a sync-free one-rank dispatcher, the FP32-output LM head, compiled log-probs, FlexAttention."),
     "gap": ("R3 log-prob gap", "R3 log-prob gap, trainer vs rollout, R3 on and off, per mode",
             "Mean |log p(trainer) - log p(rollout)| over sampled tokens (`beam-rl gap`): the trainer replays the "
             "rollout's experts (R3 on) or routes itself (R3 off). `extreme`: tokens with |d| > ln 2. Bars, R3 on: "
@@ -342,15 +344,57 @@ def rollout_page() -> Page:
 
 
 def trainer_page() -> Page:
-    _, speed = jsonl("train_speed.jsonl")
+    d = load("train.json")
+    rows = [{**d["provenance"], **r} for r in d["rows"]]
+    speed = [r for r in rows if "step_s" in r]
+    by = {r["mode"]: r for r in speed}
+    base = by["baseline"]
+    for r in speed:
+        r["vs_baseline"] = base["step_s"] / r["step_s"]
+        r.update({f"phase_{k}": v * 1e3 for k, v in r["phases_s"].items()})
+        r.update({f"fwd_{k}": v for k, v in r["forward_modules_ms"].items()})
+        r.update({f"kind_{k}": v for k, v in r.get("kernel_ms_by_kind", {}).items()})
     meg = load("trainer_parity.json")["records"][0]
-    return ("\n".join(record_tables("trainer_parity.json") + [
-        table(f"Training step speed, {speed[0]['preset']}, {speed[0]['tokens_per_step']} tokens per step", speed,
-              cols("mode", "step s=step_s:.3f", "tokens/s=tokens_per_s:,.0f", "MFU=mfu:.1%",
-                   "peak memory GiB=max_mem_gib:.1f"),
-            "lora: rank 16, base frozen. mxfp8-emulated: BF16 GEMMs on quantise-dequantised operands.")]),
-            f"parity test: {meg['outcome']}; bf16 step {speed[0]['step_s']:.2f} s for "
-            f"{speed[0]['tokens_per_step']} tokens ({speed[0]['tokens_per_s']:,.0f} tokens/s)", where(meg, speed[0]))
+    kinds = list(dict.fromkeys(k for r in speed for k in r.get("kernel_ms_by_kind", {})))
+    fwd = list(speed[0]["forward_modules_ms"])
+    goals = [
+        {**by["bf16"], "goal": "bf16 MFU >= 20%", "value": f"{by['bf16']['mfu']:.1%}", "result": check(by["bf16"]["mfu"] >= 0.20)},
+        {**by["lora"], "goal": "lora step <= bf16 step", "value": f"{by['lora']['step_s']:.3f} s vs {by['bf16']['step_s']:.3f} s",
+         "result": check(by["lora"]["step_s"] <= by["bf16"]["step_s"])},
+        {**by["mxfp8-emulated"], "goal": "emulated mxfp8 MFU >= 12%", "value": f"{by['mxfp8-emulated']['mfu']:.1%}",
+         "result": check(by["mxfp8-emulated"]["mfu"] >= 0.12)},
+        {**by["mxfp8-emulated"], "goal": "emulated mxfp8 step <= 1.5 x bf16 step",
+         "value": f"{by['mxfp8-emulated']['step_s'] / by['bf16']['step_s']:.2f} x", "result": check(by["mxfp8-emulated"]["step_s"] <= 1.5 * by["bf16"]["step_s"])},
+    ]
+    title = f"{speed[0]['preset']}, {speed[0]['tokens_per_step']} tokens per step (batch 4 x 4096), one step"
+    body = record_tables("trainer_parity.json") + record_tables("trainer_gpu_tests.json") + [
+        table(f"Training step speed, {title}", speed,
+              cols("mode", "step s=step_s:.3f", "tokens/s=tokens_per_s:,.0f", "MFU=mfu:.1%", "x baseline=vs_baseline:.2f",
+                   "peak memory GiB=max_mem_gib:.1f", "forward ms=phase_forward:.0f", "backward ms=phase_backward:.0f",
+                   "optimizer ms=phase_optimizer:.1f"),
+              "MFU: " + d["provenance"]["flop_formula"] + " (the peer: causal attention over the whole sequence in every "
+              "layer), over 989 TFLOP/s. Modes: `baseline` = the bf16 model in plain PyTorch (`fused.set_fast_paths(model, "
+              "False)`: autograd through the `numerics` functions, a per-expert loop, Megatron's dispatcher, BF16 SDPA with "
+              "an explicit mask); `bf16`, `lora` (rank 16, base frozen), `mxfp8-emulated` (BF16 GEMMs on quantise-dequantised "
+              "operands) run the fast paths with `flash` attention (the trainer's opt-in `train.attention: flash`; "
+              "`beam-rl dapo` defaults to FP32 attention, `train.attention: engine`); `peer` = Megatron-Core's own GPT MoE "
+              "with beam-mini's dimensions (local spec, `GroupedMLP` on `torch._grouped_mm`, unfused causal attention). "
+              "Phases: one more step with a device sync between them."),
+        table(f"Where the forward goes, ms ({title}; device events around modules, `other` = norms, boundaries, "
+              "embedding and log-probs)", speed, cols("mode", *(f"{k}=fwd_{k}:.1f" for k in fwd))),
+        table("Where the step goes: device kernel time by kind, ms (one profiled step; idle = step - kernel time: "
+              f"launch and host work; {title})", speed,
+              cols("mode", "kernels", *(f"{k}=kind_{k}:.1f" for k in kinds), "kernel total=kernel_ms:.0f", "idle=idle_ms:.0f")),
+        table("Goals (issue 29), this run", goals, cols("goal", "value", "result"),
+              "Not measured on the H200 yet: the trainer-rollout gap with `flash` attention on a trained beam-mini "
+              "(`TRAINER_ATTENTION=flash bash scripts/h200_campaign.sh gap_trained`), and `recipes/mini-h200.yaml`'s "
+              "`train_s` per DAPO step."),
+    ]
+    bf = by["bf16"]
+    return ("\n".join(body),
+            f"bf16 step {bf['step_s']:.3f} s for {bf['tokens_per_step']} tokens, {bf['mfu']:.1%} MFU "
+            f"({bf['vs_baseline']:.2f}x the plain-PyTorch baseline; Megatron's GPT-MoE peer {by['peer']['mfu']:.1%}); parity test: {meg['outcome']}",
+            where(meg, bf))
 
 
 def gap_rows(folder: str) -> list[Rec]:
