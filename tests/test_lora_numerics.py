@@ -114,3 +114,28 @@ def test_fp32_model_adapter_is_unrounded():
     x = torch.randn(4, 32, generator=g)
     with torch.no_grad():
         torch.testing.assert_close(ad.delta(x, torch.float32), (x @ ad.A[0].t()) @ (ad.B[0] * ad.scaling).t(), rtol=1e-6, atol=1e-6)
+
+
+def test_tensor_core_delta_rounds_as_the_contract():
+    """`_delta_bf16` (the CUDA path: BF16 GEMMs, one shrink GEMM for fc1's two slices) computes the
+    contract's values: here on CPU, where a BF16 GEMM accumulates in FP32 too, against `delta`'s FP32
+    GEMMs of the rounded operands (a BF16-ulp difference at most where the accumulation order flips a
+    rounding); A and B get the straight-through gradients."""
+    g = torch.Generator().manual_seed(3)
+    for outs in ((48,), (40, 40)):
+        ad = lora.LoRAAdapter(64, outs, R, ALPHA)
+        with torch.no_grad():
+            for p in ad.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        x = torch.randn(7, 64, generator=g).to(BF16)
+        fast, ref = ad._delta_bf16(x), ad.delta(x, BF16)
+        assert fast.dtype == BF16 and fast.shape == ref.shape
+        assert ((fast.float() - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all()
+        up = torch.randn(fast.shape, generator=g)
+        (fast.float() * up).sum().backward()
+        got = [p.grad.clone() for p in ad.parameters()]
+        ad.zero_grad()
+        (ad.delta(x, BF16) * up).sum().backward()
+        for a, b in zip(got, (p.grad for p in ad.parameters())):
+            assert a.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())

@@ -69,9 +69,12 @@ def sequence_logprobs(
     prompt_lengths = torch.ones(B, dtype=torch.long, device=device) if prompt_lengths is None else torch.as_tensor(prompt_lengths, device=device)
     if lengths.shape != (B,) or prompt_lengths.shape != (B,):
         raise ValueError(f"lengths and prompt_lengths must have shape [{B}]")
-    if int(lengths.max()) > T or int(lengths.min()) < 1:
+    # one host sync for every check
+    lo, hi, bad_prompt, padded = torch.stack([lengths.min(), lengths.max(), ((prompt_lengths < 1) | (prompt_lengths > lengths)).any(),
+                                              (lengths < T).any()]).tolist()
+    if hi > T or lo < 1:
         raise ValueError(f"lengths must lie in [1, {T}] (the padded width); got {lengths.tolist()}")
-    if bool((prompt_lengths < 1).any()) or bool((prompt_lengths > lengths).any()):
+    if bad_prompt:
         raise ValueError("prompt_lengths must lie in [1, lengths]")
     positions = torch.arange(T, device=device).expand(B, T)
     padding_mask = positions >= lengths[:, None]  # True = padding
@@ -79,7 +82,7 @@ def sequence_logprobs(
         r3.set_replay(model, routed_experts, config, B, T)
     else:
         r3.clear_replay(model)
-    logits = model(input_ids, positions, None, padding_mask=padding_mask if bool(padding_mask.any()) else None)
+    logits = model(input_ids, positions, None, padding_mask=padding_mask if padded else None)
     if routed_experts is not None:
         r3.replay_backward(model)
     lp = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature=temperature, mode=mode)

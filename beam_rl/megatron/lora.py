@@ -69,20 +69,30 @@ class LoRAAdapter(torch.nn.Module):
     def delta(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """d = rnd(rnd(x A'^T) B'^T) per slice (module docstring), `rnd` to `dtype`: as `dtype` on CUDA
         tensor cores, else as FP32 holding those values."""
-        tensor_cores = x.is_cuda and x.dtype == dtype == torch.bfloat16
-        xf = x if tensor_cores else x.float()
+        if x.is_cuda and x.dtype == dtype == torch.bfloat16:
+            return self._delta_bf16(x)
+        xf = x.float()
         out = []
         for a, b in zip(self.A, self.B):
             a_r = _round(a.float(), dtype)
             b_r = _round(_round(b.float(), dtype) * self.scaling, dtype)
-            if tensor_cores:
-                # BF16 operands, FP32 accumulation, one rounding per GEMM: the products of the FP32 GEMM
-                # below, exact either way, accumulated as vLLM's Triton LoRA kernels accumulate them;
-                # kept in BF16 (the values are rounded already)
-                out.append((xf @ a_r.to(dtype).t()) @ b_r.to(dtype).t())
-            else:
-                out.append(_round(_round(xf @ a_r.t(), dtype) @ b_r.t(), dtype))
+            out.append(_round(_round(xf @ a_r.t(), dtype) @ b_r.t(), dtype))
         return torch.cat(out, dim=-1)
+
+    def _delta_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """`delta` for BF16 x on tensor cores, as BF16: BF16 operands with FP32 accumulation and one
+        rounding per GEMM (the products of `delta`'s FP32 GEMMs, exact either way, accumulated as
+        vLLM's Triton LoRA kernels accumulate them). The casts are the roundings: A' = A in BF16,
+        B' = rnd(rnd(B) * scaling) (a BF16 tensor times a Python float computes in FP32 and rounds
+        once), and their gradients pass straight through, as `_RoundSTE`'s. Few ops: every one is a
+        host-side launch in each adapted layer's forward and backward."""
+        dtype = x.dtype
+        if len(self.A) == 1:
+            a, b = self.A[0].to(dtype), self.B[0].to(dtype) * self.scaling
+            return (x @ a.t()) @ b.t()
+        u = x @ torch.cat(list(self.A)).to(dtype).t()  # every slice's shrink in one GEMM: [..., slices * r]
+        r = self.A[0].shape[0]
+        return torch.cat([u[..., i * r:(i + 1) * r] @ (b.to(dtype) * self.scaling).t() for i, b in enumerate(self.B)], dim=-1)
 
 
 class _RoundSTE(torch.autograd.Function):

@@ -47,12 +47,13 @@ def validate_routed_experts(ids: torch.Tensor, config: BeamConfig, batch: int, t
             raise ReplayError(f"routed_experts {field} = {got}, expected {want} (shape {tuple(ids.shape)}; no truncation or broadcasting)")
     ids = ids.long()
     if ids.numel():
-        lo, hi = int(ids.min()), int(ids.max())
+        srt = ids.sort(dim=-1).values
+        repeats = (srt[..., 1:] == srt[..., :-1]).any(dim=-1)
+        lo, hi, repeated = torch.stack([srt[..., 0].min(), srt[..., -1].max(), repeats.any().long()]).tolist()  # one host sync
         if lo < 0 or hi >= config.num_experts:
             raise ReplayError(f"routed_experts ids must lie in [0, {config.num_experts}); got [{lo}, {hi}]")
-        srt = ids.sort(dim=-1).values
-        dup = (srt[..., 1:] == srt[..., :-1]).any(dim=-1).nonzero()
-        if dup.numel():
+        if repeated:
+            dup = repeats.nonzero()
             b, t, layer = (int(v) for v in dup[0])
             raise ReplayError(f"routed_experts repeats an expert within a token (batch {b}, token {t}, moe layer {layer})")
     return ids
