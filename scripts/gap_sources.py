@@ -7,7 +7,9 @@ Trainers, each recomputing the same rollout with its routing replayed:
 - megatron bf16 (the `beam-rl gap --mode bf16` trainer: attention as the rollout engine reports
   computing it, `set_attention_numerics(engine.attention_numerics)`; FP32 LM head), and with each
   attention definition (output rounded to nearest):
-  fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs)
+  fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs),
+  flash (FlexAttention, CUDA only: `train.attention: flash`)
+- megatron bf16 in plain PyTorch (`fused.set_fast_paths(model, False)`: what the fast paths move)
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
 - megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
 - megatron mxfp8-emulated
@@ -76,6 +78,8 @@ def reference_deltas(checkpoint, batch, patches=None, attention=None):
 
 
 def main() -> None:
+    import torch
+
     from beam_rl.engines import start_rollout_engine
     from beam_rl.gap import GapOptions
     from beam_rl.gap.cli import stdout_to_stderr
@@ -110,7 +114,11 @@ def main() -> None:
             "megatron bf16, attention_dtype=fp32": dict(mode="bf16", attention_dtype="fp32"),
             "megatron bf16, attention_dtype=bf16-probs": dict(mode="bf16", attention_dtype="bf16-probs"),
             "megatron bf16, attention_dtype=bf16": dict(mode="bf16", attention_dtype="bf16"),
+            "megatron bf16, plain PyTorch (fast paths off; attention as the engine reports)": dict(
+                mode="bf16", attention=engine_attention, fast_paths=False),
             "megatron bf16, LM head logits rounded to BF16": dict(mode="bf16", round_head=True),
+            **({"megatron bf16, attention_dtype=flash (train.attention: flash)": dict(mode="bf16", attention_dtype="flash")}
+               if torch.cuda.is_available() else {}),
             "megatron fp32": dict(mode="fp32"),
             "megatron mxfp8-emulated": dict(mode="mxfp8"),
         }
@@ -140,6 +148,7 @@ def build_variant(ckpt, config, opts, v):
     from beam_rl.engines import TRAIN_MODES
     from beam_rl.megatron.attention import set_attention_numerics
     from beam_rl.megatron.cpu import init_single_process
+    from beam_rl.megatron.fused import set_fast_paths
     from beam_rl.megatron.provider import BeamModelProvider
 
     init_single_process(seed=opts.seed)
@@ -148,6 +157,8 @@ def build_variant(ckpt, config, opts, v):
         dict(read_tensors(ckpt, config))).eval()
     if "attention" in v:
         set_attention_numerics(model, v["attention"])
+    if v.get("fast_paths") is False:
+        set_fast_paths(model, False)
     if v.get("round_head"):
         head = getattr(model, "module", model).output_layer
         head.register_forward_hook(lambda m, i, o: (o[0].to(torch.bfloat16).float(), o[1]))
