@@ -22,18 +22,10 @@ import torch
 pytest.importorskip("megatron.core")
 
 from beam_rl.megatron import fused  # noqa: E402
+from grad_check import outputs_and_grads as _grads  # noqa: E402
 from beam_rl.model import numerics  # noqa: E402
 
 BF16 = torch.bfloat16
-
-
-def _grads(fn, inputs, out_grads, diff):
-    """Outputs of fn(*inputs) and the gradients of sum(out * g) w.r.t. inputs[i] for i in diff."""
-    leaves = [t.detach().clone().requires_grad_(i in diff) if isinstance(t, torch.Tensor) else t for i, t in enumerate(inputs)]
-    outs = fn(*leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    loss = sum((o.float() * g).sum() for o, g in zip(outs, out_grads) if o is not None)
-    return outs, torch.autograd.grad(loss, [leaves[i] for i in diff])
 
 
 def _assert_grads_close(got, want, dtype, name):

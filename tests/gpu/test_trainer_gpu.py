@@ -12,6 +12,8 @@ Run: `python -m pytest -q -s tests/gpu/test_trainer_gpu.py` (`h200_campaign.sh t
 """
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,17 +25,12 @@ pytest.importorskip("megatron.core")
 from beam_rl.megatron import fused  # noqa: E402
 from beam_rl.model import numerics  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from grad_check import outputs_and_grads as _grads  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
 T, H, KV, D, HIDDEN = 4096, 16, 4, 128, 1024
-
-
-def _grads(fn, inputs, out_grads, diff):
-    leaves = [t.detach().clone().requires_grad_(i in diff) if isinstance(t, torch.Tensor) else t for i, t in enumerate(inputs)]
-    outs = fn(*leaves)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    loss = sum((o.float() * g).sum() for o, g in zip(outs, out_grads) if o is not None)
-    return outs, torch.autograd.grad(loss, [leaves[i] for i in diff])
 
 
 def test_fused_ops_forward_bitwise_backward_close():
