@@ -256,11 +256,11 @@ class Recipe:
         need(self.dapo.max_extra_rounds >= 0, "dapo.max_extra_rounds", "must be >= 0")
         need(0 <= self.dapo.overlong.cache_length < self.rollout.max_response_tokens, "dapo.overlong.cache_length",
              f"must lie in [0, rollout.max_response_tokens={self.rollout.max_response_tokens})")
-        from beam_rl.engines.base import TRAIN_MODES
+        from beam_rl.engines.base import TRAIN_MODES, TRAINER_ATTENTIONS
 
         need(self.train.mode in TRAIN_MODES, "train.mode", f"choose one of {sorted(TRAIN_MODES)}")
         need(self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
-        need(self.train.attention in ("engine", "flash"), "train.attention", "choose 'engine' or 'flash' (CUDA)")
+        need(self.train.attention in TRAINER_ATTENTIONS, "train.attention", f"choose one of {TRAINER_ATTENTIONS} ('flash' needs CUDA)")
         need(self.run.max_mean_abs_logprob_diff > 0, "run.max_mean_abs_logprob_diff", "must be > 0")
         need(self.model.checkpoint is None or (Path(self.model.checkpoint) / "config.json").exists(), "model.checkpoint",
              f"{self.model.checkpoint} has no config.json; give a Beam checkpoint directory or leave it unset")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from beam_rl.engines.base import (
     TRAIN_MODES,
+    TRAINER_ATTENTIONS,
     Adapter,
     Completion,
     EngineSettings,
@@ -41,5 +42,5 @@ def build_trainer(config, hf_tensors: dict, *, mode: str = "bf16", recompute: bo
     return MegatronTrainer(config, hf_tensors, mode=mode, recompute=recompute, seed=seed, attention=attention)
 
 
-__all__ = ["TRAIN_MODES", "Adapter", "Completion", "EngineSettings", "RolloutEngine", "Sampling", "TrainMode", "TrainerBackend",
+__all__ = ["TRAIN_MODES", "TRAINER_ATTENTIONS", "Adapter", "Completion", "EngineSettings", "RolloutEngine", "Sampling", "TrainMode", "TrainerBackend",
            "build_trainer", "start_rollout_engine", "start_vllm"]

@@ -195,6 +195,10 @@ TRAIN_MODES: dict[str, TrainMode] = {
     "mxfp8": TrainMode("mxfp8", lora=False),
 }
 
+TRAINER_ATTENTIONS = ("engine", "flash")
+"""A trainer's attention: "engine" (defined as the rollout engine reports computing it) or "flash"
+(FlashAttention's algorithm, CUDA): `beam_rl.megatron.attention.trainer_attention_dtype`."""
+
 
 class TrainerBackend(ABC):
     """A trainable Beam model whose MoE routers can replay a rollout's experts."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-from beam_rl.engines import TRAIN_MODES
+from beam_rl.engines import TRAIN_MODES, TRAINER_ATTENTIONS
 from beam_rl.gap.bounds import BOUNDS
 
 MODES = sorted(TRAIN_MODES)
@@ -24,7 +24,7 @@ class GapOptions:
     preset: str | None = _opt(None, "seeded random checkpoint of a preset (temp dir)", group="source")
     mode: str = _opt("bf16", "trainer numerics", choices=MODES)
     trainer_attention: str = _opt("engine", "trainer attention: as the engine reports computing it, or FlashAttention's algorithm (CUDA)",
-                                  choices=["engine", "flash"])
+                                  choices=list(TRAINER_ATTENTIONS))
     prompts: str | None = _opt(None, "JSON list / JSONL of token-id lists (default: built-in seeded prompts)")
     num_prompts: int = _opt(16, "built-in prompts")
     min_prompt_len: int = _opt(8, "built-in prompt length, shortest")

@@ -28,6 +28,7 @@ such padding keys).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Union
@@ -39,13 +40,11 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import is_layer_window_attention
 
+from beam_rl.engines.base import TRAINER_ATTENTIONS
 from beam_rl.megatron import fused
 from beam_rl.model import numerics
 
 ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs", "flash")
-
-
-TRAINER_ATTENTIONS = ("engine", "flash")
 
 
 def trainer_attention_dtype(kernel: numerics.AttentionNumerics, attention: str = "engine") -> str:
@@ -92,7 +91,13 @@ def _table(kind: str, device: torch.device, max_positions: int, head_dim: int = 
 
 
 _BLOCK_MASKS: list = []  # [(positions, version, window, block mask)]: the masks of the forward in flight
-_FLEX = None
+
+
+@functools.cache
+def _compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def _block_mask(positions: torch.Tensor, window: int | None):
@@ -120,15 +125,13 @@ def flash_attention(q, k, v, positions, window: int | None, output_rounding: str
     """`BeamSelfAttention`'s "flash" attention: q [b, H, s, D], k/v [b, KV, s, D] (BF16) -> [b, H, s, D]
     (BF16) with FlexAttention (compiled Triton kernels, forward and backward; CUDA only: it has no
     CPU backward). Scale 1/sqrt(D); the visibility rule of `core_attention`, as a block mask."""
-    global _FLEX
     if output_rounding != "nearest":
         raise ValueError(f"attention_dtype='flash' rounds its output to nearest; output_rounding={output_rounding!r} "
                          "needs attention_dtype='fp32'")
     from torch.nn.attention.flex_attention import flex_attention
 
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=None) if q.is_cuda else flex_attention
-    return _FLEX(q, k, v, block_mask=_block_mask(positions, window), scale=1.0 / math.sqrt(q.shape[-1]),
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention  # CPU: the eager forward
+    return attend(q, k, v, block_mask=_block_mask(positions, window), scale=1.0 / math.sqrt(q.shape[-1]),
                  enable_gqa=q.shape[1] != k.shape[1])
 
 
