@@ -269,7 +269,35 @@ def bench(mode: str, args) -> dict:
     }
     if args.profile:
         row.update(profile_step(step, dt))
+        row["host_top"] = host_profile(step)
     return row
+
+
+def host_profile(step, top: int = 25) -> list[dict]:
+    """One step under cProfile: the Python functions (and builtins: kernel launches, syncs) with the
+    most own host time. cProfile slows Python down, so the times rank the host work rather than
+    measure it."""
+    import cProfile
+    import os
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (primitive calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+
+    def where(key):
+        path, line, name = key
+        parts = path.split(os.sep)
+        short = os.sep.join(parts[-2:]) if path.startswith(("/", ".")) else path
+        return f"{short}:{line}({name})" if line else name
+
+    return [{"function": where(k), "calls": v[1], "own_ms": round(v[2] * 1e3, 2), "cumulative_ms": round(v[3] * 1e3, 2)}
+            for k, v in rows]
 
 
 def profile_step(step, step_s: float) -> dict:
@@ -310,7 +338,8 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true")
     ap.add_argument("--attention-dtype", default="flash", choices=["fp32", "bf16", "flash"],
                     help="Beam's attention (flash: the trainer's CUDA default, `trainer_attention_dtype`)")
-    ap.add_argument("--profile", action="store_true", help="add one profiled step's kernel time by kind")
+    ap.add_argument("--profile", action="store_true",
+                    help="add one profiled step's kernel time by kind, and one cProfiled step's top host functions")
     ap.add_argument("--json", help="write the rows (JSON lines, provenance first) here")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense BF16 peak of the GPU (H200: 989)")
     args = ap.parse_args()

@@ -9,7 +9,7 @@
 # the source tree, where `beam_rl.rollout` does not exist, so this script runs from $WORK).
 #     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0
 #     bash scripts/gap_h200.sh                   # OUT=runs/gap_h200 MODES="bf16 lora mxfp8" SOURCES=1 [CKPT=dir PROMPTS=file]
-#                                                # TRAINER_ATTENTION=flash: the trainer's FlashAttention path (default: engine)
+#                                                # TRAINER_ATTENTION=engine|flash|auto (beam-rl gap --trainer-attention; default auto)
 # Results: $OUT/{bf16,lora,mxfp8}.json and .png, $OUT/sources.json, $OUT/summary.md.
 #
 # Bars: the `trained` column of beam_rl/gap/bounds.py (R3 on mean |delta| per mode), read below.
@@ -33,11 +33,11 @@ COMMON=(--checkpoint "$CKPT" --seed 0 "${PROMPT_ARGS[@]}" --max-tokens 512)
 for mode in $MODES; do
   echo "== beam-mini gap, mode $mode ==" >&2
   python3 -m beam_rl.cli gap "${COMMON[@]}" --mode "$mode" --micro-batch 8 --gpu-memory-utilization 0.4 \
-    --histogram "$OUT/$mode.png" --json --no-progress > "$OUT/$mode.json"
+    --trainer-attention "${TRAINER_ATTENTION:-auto}" --histogram "$OUT/$mode.png" --json --no-progress > "$OUT/$mode.json"
 done
 if [ "$SOURCES" = 1 ]; then
   echo "== beam-mini gap sources (bf16) ==" >&2
-  python3 "$REPO/scripts/gap_sources.py" "${COMMON[@]}" --json > "$OUT/sources.json"
+  python3 "$REPO/scripts/gap_sources.py" "${COMMON[@]}" --json > "$OUT/sources.json"  # every attention, whatever TRAINER_ATTENTION
 fi
 
 python3 - "$OUT" $MODES <<'PY'

@@ -8,7 +8,7 @@ Trainers, each recomputing the same rollout with its routing replayed:
   computing it, `set_attention_numerics(engine.attention_numerics)`; FP32 LM head), and with each
   attention definition (output rounded to nearest):
   fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs),
-  flash (FlexAttention, CUDA only: `train.attention: flash`)
+  flash (FlexAttention, CUDA only: `train.attention: flash`, the CUDA default `auto`)
 - megatron bf16 in plain PyTorch (`fused.set_fast_paths(model, False)`: what the fast paths move)
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
 - megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
@@ -83,7 +83,7 @@ def main() -> None:
     from beam_rl.engines import start_rollout_engine
     from beam_rl.gap import GapOptions
     from beam_rl.gap.cli import stdout_to_stderr
-    from beam_rl.gap.measure import _build_checkpoint, default_prompts, engine_settings, gap_stats, recompute, rollout
+    from beam_rl.gap.measure import _build_checkpoint, default_prompts, engine_settings, gap_stats, load_prompts, recompute, rollout
     from beam_rl.model.checkpoint import load_config
     from beam_rl.model.numerics import AttentionNumerics
 
@@ -92,6 +92,7 @@ def main() -> None:
     src.add_argument("--preset", default="beam-tiny")
     src.add_argument("--checkpoint", help="an existing checkpoint directory instead of a seeded preset")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompts", help="JSON list / JSONL of token-id lists (as `beam-rl gap --prompts`) instead of seeded ones")
     p.add_argument("--min-prompt-len", type=int, default=8)
     p.add_argument("--max-prompt-len", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -103,21 +104,23 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, stdout_to_stderr():  # stdout: only the table or JSON below
         ckpt = args.checkpoint or str(_build_checkpoint(args.preset, args.seed, Path(tmp) / args.preset))
         config = load_config(ckpt)
-        prompts = default_prompts(config, opts.num_prompts, opts.min_prompt_len, opts.max_prompt_len, opts.seed)
+        prompts = load_prompts(args.prompts, config) if args.prompts else default_prompts(
+            config, opts.num_prompts, opts.min_prompt_len, opts.max_prompt_len, opts.seed)
         engine = start_rollout_engine(engine_settings(ckpt, opts, max_model_len=max(map(len, prompts)) + opts.max_tokens + 1))
         batch = rollout(engine, prompts, opts, None)
         engine_attention = engine.attention_numerics  # what `beam-rl gap` defines the trainer's attention as
         engine.shutdown()
         rows = {}
         variants = {
-            f"megatron bf16 (gap --mode bf16: attention {engine_attention})": dict(mode="bf16", attention=engine_attention),
+            f"megatron bf16 (gap --mode bf16: the engine reports {engine_attention}; trainer attention auto)": dict(
+                mode="bf16", attention=engine_attention),
             "megatron bf16, attention_dtype=fp32": dict(mode="bf16", attention_dtype="fp32"),
             "megatron bf16, attention_dtype=bf16-probs": dict(mode="bf16", attention_dtype="bf16-probs"),
             "megatron bf16, attention_dtype=bf16": dict(mode="bf16", attention_dtype="bf16"),
             "megatron bf16, plain PyTorch (fast paths off; attention as the engine reports)": dict(
-                mode="bf16", attention=engine_attention, fast_paths=False),
+                mode="bf16", attention=engine_attention, trainer_attention="engine", fast_paths=False),
             "megatron bf16, LM head logits rounded to BF16": dict(mode="bf16", round_head=True),
-            **({"megatron bf16, attention_dtype=flash (train.attention: flash)": dict(mode="bf16", attention_dtype="flash")}
+            **({"megatron bf16, attention_dtype=flash (train.attention: flash, auto on CUDA)": dict(mode="bf16", attention_dtype="flash")}
                if torch.cuda.is_available() else {}),
             "megatron fp32": dict(mode="fp32"),
             "megatron mxfp8-emulated": dict(mode="mxfp8"),
@@ -156,7 +159,7 @@ def build_variant(ckpt, config, opts, v):
     model = BeamModelProvider(config, mode=mode, attention_dtype=v.get("attention_dtype", "fp32")).provide_loaded(
         dict(read_tensors(ckpt, config))).eval()
     if "attention" in v:
-        set_attention_numerics(model, v["attention"])
+        set_attention_numerics(model, v["attention"], v.get("trainer_attention", "auto"))
     if v.get("fast_paths") is False:
         set_fast_paths(model, False)
     if v.get("round_head"):

