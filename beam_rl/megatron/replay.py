@@ -16,6 +16,8 @@ broadcast.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
@@ -28,9 +30,15 @@ class ReplayError(ValueError):
     """Replayed expert ids do not fit the model or batch; the message names the field."""
 
 
+_ROUTERS: "weakref.WeakKeyDictionary[torch.nn.Module, list[TopKRouter]]" = weakref.WeakKeyDictionary()
+
+
 def model_routers(model: torch.nn.Module) -> list[TopKRouter]:
-    """This stage's routers in layer order."""
-    return [m for m in model.modules() if isinstance(m, TopKRouter)]
+    """This stage's routers in layer order (found once per model: a walk over beam-mini's ~8500
+    modules costs milliseconds of host time, and every replayed micro-batch asks several times)."""
+    if model not in _ROUTERS:
+        _ROUTERS[model] = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    return _ROUTERS[model]
 
 
 def validate_routed_experts(ids: torch.Tensor, config: BeamConfig, batch: int, tokens: int) -> torch.Tensor:

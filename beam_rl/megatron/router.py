@@ -201,17 +201,22 @@ class BeamMoELayer(FastPaths, MoELayer):
         if not (self.fast_paths and isinstance(d, OneRankTokenDispatcher) and isinstance(self.experts, BeamExperts)):
             return super().routed_experts_compute(hidden_states, probs)
         rows, tokens_per_expert = d.permute(hidden_states, probs)
-        return d.combine(self.experts.unweighted(rows, tokens_per_expert)), None
+        expert_rows, _ = self.experts(rows, tokens_per_expert, None)  # unweighted: the combine weights them
+        return d.combine(expert_rows), None
 
 
 class BeamExperts(FastPaths, SequentialMLP):
     """Routed SwiGLU experts returning FP32 gate-weighted outputs (combined in FP32)."""
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        out = self.unweighted(permuted_local_hidden_states, tokens_per_expert)
+        """(FP32 gate-weighted outputs [M, hidden], None); with `permuted_probs=None` each row's
+        unweighted expert output in the input's dtype (`OneRankTokenDispatcher.combine` weights it)."""
+        out = self._outputs(permuted_local_hidden_states, tokens_per_expert)
+        if permuted_probs is None:
+            return out, None
         return out.float() * permuted_probs.float()[:, None], None
 
-    def unweighted(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+    def _outputs(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """Each row's expert output [M, hidden] in x's dtype (rows grouped by expert, counts per expert)."""
         if self.config.moe_apply_probs_on_input:
             raise ValueError("moe_apply_probs_on_input changes where Beam rounds; set it to False")

@@ -166,7 +166,8 @@ def test_one_rank_combine_compiled_equals_eager():
     dy, dw = router._combine_bwd(g, y, weights, slots, token_index, slot_of_row)
     dy_e, dw_e = router._combine_bwd.__wrapped__(g, y, weights, slots, token_index, slot_of_row)
     assert torch.equal(dy, dy_e)  # a product rounded once to BF16
-    torch.testing.assert_close(dw, dw_e, rtol=1e-5, atol=1e-5)  # FP32 sums over hidden, another order
+    # FP32 dot products over hidden, summed in another order: within FP32 precision of the largest
+    assert (dw - dw_e).abs().max() <= 1e-5 * dw_e.abs().max()
     assert torch.equal(router._dispatch_bwd(g_rows, slots), router._dispatch_bwd.__wrapped__(g_rows, slots))
     print("\none-rank combine: compiled forward bit-equal, backward as eager")
 
