@@ -19,6 +19,7 @@ import torch
 
 from beam_rl.model.config import BeamConfig
 from beam_rl.megatron import replay as r3
+from beam_rl.megatron.fused import cuda_compiled
 
 MODES = ("raw", "processed")
 
@@ -30,9 +31,7 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, tempera
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     temperature = temperature if mode == "processed" else 1.0
-    if logits.is_cuda:  # one fused pass over the [tokens, vocab] logits each way instead of several
-        return _compiled_logprobs(logits, targets, temperature)
-    return _logprobs(logits, targets, temperature)
+    return _logprobs_fused(logits, targets, temperature)
 
 
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -42,7 +41,7 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
 
 
-_compiled_logprobs = torch.compile(_logprobs, dynamic=None)
+_logprobs_fused = cuda_compiled(_logprobs)  # CUDA: one fused pass over the [tokens, vocab] logits each way
 
 
 def sequence_logprobs(

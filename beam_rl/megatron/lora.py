@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from beam_rl.megatron.fused import cuda_compiled
 from beam_rl.model.config import BeamConfig
 from beam_rl.model.names import LORA_MODULES, PEFT_CONFIG, PEFT_WEIGHTS, peft_key
 
@@ -116,13 +117,12 @@ def _add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (out.float() + delta.float()).to(out.dtype)
 
 
-_add_rounded_compiled = torch.compile(_add_rounded, dynamic=None)  # one pass instead of three on CUDA
+_add_rounded_fused = cuda_compiled(_add_rounded)  # one pass instead of three on CUDA
 
 
 def _lora_hook(module, inputs, output):
     out, bias = output
-    add = _add_rounded_compiled if out.is_cuda else _add_rounded
-    return add(out, module.lora.delta(inputs[0], out.dtype)), bias
+    return _add_rounded_fused(out, module.lora.delta(inputs[0], out.dtype)), bias
 
 
 def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:
