@@ -167,12 +167,9 @@ class OneRankTokenDispatcher(MoEAllGatherTokenDispatcher):
     expert order, and the dispatch's backward gathers the same way. `BeamMoELayer` calls `permute`
     and `combine` when its fast paths are on; Megatron's own methods run otherwise."""
 
-    layer: "BeamMoELayer"
-
     def permute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """hidden_states [T, hidden], probs [T, E] FP32 -> (rows [T * K, hidden], tokens per expert [E])."""
         routing_map, self.routing_map = self.routing_map, None  # [T, E] bool, top_k True per row
-        self.hidden_shape_before_permute = hidden_states.shape
         token_index, slots, slot_of_row, experts = routing_slots(routing_map, self.router_topk)
         weights = probs.float().gather(1, experts)  # [T, K] gate weights, the router's gradient path
         self._combine_inputs = (weights, slots, token_index, slot_of_row)
@@ -194,7 +191,6 @@ class BeamMoELayer(FastPaths, MoELayer):
         if (type(d) is MoEAllGatherTokenDispatcher and d.tp_size == 1 and d.ep_size == 1
                 and config.moe_expert_capacity_factor is None):
             d.__class__ = OneRankTokenDispatcher
-            d.layer = self
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         d = self.token_dispatcher
