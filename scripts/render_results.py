@@ -394,7 +394,9 @@ def trainer_page() -> Page:
               "an explicit mask); `bf16`, `lora` (rank 16, base frozen), `mxfp8-emulated` (BF16 GEMMs on quantise-dequantised "
               "operands) run the fast paths with `flash` attention (the trainer's CUDA default, `train.attention: auto`); `peer` = Megatron-Core's own GPT MoE "
               "with beam-mini's dimensions (local spec, `GroupedMLP` on `torch._grouped_mm`, unfused causal attention). "
-              "Phases: one more step with a device sync between them."),
+              "Phases: one more step with a device sync between them. Rows with idle time move with the host's "
+              "speed, which varies between device machines (the plain-PyTorch baseline, its code barely changed, has taken 0.57 to 0.89 s "
+              "in the H200 runs of this week); kernel time does not."),
         table(f"Where the forward goes, ms ({title}; device events around modules, `other` = norms, boundaries, "
               "embedding and log-probs)", speed, cols("mode", *(f"{k}=fwd_{k}:.1f" for k in fwd))),
         table("Where the step goes: device kernel time by kind, ms (one profiled step; idle = step - kernel time: "
