@@ -28,7 +28,6 @@ such padding keys).
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Union
@@ -39,6 +38,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import is_layer_window_attention
+from torch.nn.attention.flex_attention import flex_attention
 
 from beam_rl.engines.base import TRAINER_ATTENTIONS
 from beam_rl.megatron import fused
@@ -96,11 +96,7 @@ def _table(kind: str, device: torch.device, max_positions: int, head_dim: int = 
 _BLOCK_MASKS: list = []  # [(positions, version, window, block mask)]: the masks of the forward in flight
 
 
-@functools.cache
-def _compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=None)
+_flex_attention = fused.cuda_compiled(flex_attention)  # CPU: the eager forward (FlexAttention has no CPU backward)
 
 
 def _block_mask(positions: torch.Tensor, window: int | None):
@@ -131,11 +127,8 @@ def flash_attention(q, k, v, positions, window: int | None, output_rounding: str
     if output_rounding != "nearest":
         raise ValueError(f"attention_dtype='flash' rounds its output to nearest; output_rounding={output_rounding!r} "
                          "needs attention_dtype='fp32'")
-    from torch.nn.attention.flex_attention import flex_attention
-
-    attend = _compiled_flex_attention() if q.is_cuda else flex_attention  # CPU: the eager forward
-    return attend(q, k, v, block_mask=_block_mask(positions, window), scale=1.0 / math.sqrt(q.shape[-1]),
-                 enable_gqa=q.shape[1] != k.shape[1])
+    return _flex_attention(q, k, v, block_mask=_block_mask(positions, window), scale=1.0 / math.sqrt(q.shape[-1]),
+                           enable_gqa=q.shape[1] != k.shape[1])
 
 
 @dataclass

@@ -44,16 +44,17 @@ def set_fast_paths(model: torch.nn.Module, enabled: bool) -> int:
     return len(switched)
 
 
-def cuda_compiled(fn, separate_roundings: bool = False):
-    """fn compiled for CUDA (shapes marked dynamic after the first change), run eagerly on CPU.
+def cuda_compiled(fn, separate_roundings: bool = False, dynamic: bool | None = None):
+    """fn compiled for CUDA, run eagerly on CPU (chosen per call, by the first tensor argument).
+    `dynamic`: torch.compile's (None: shapes marked dynamic after the first change).
     `separate_roundings`: no fused multiply-adds in the generated kernels (Inductor's
     `emulate_precision_casts`), so each FP32 product and sum rounds as the eager ops do."""
-    compiled = torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True} if separate_roundings else None)
+    compiled = torch.compile(fn, dynamic=dynamic, options={"emulate_precision_casts": True} if separate_roundings else None)
 
     @functools.wraps(fn)
-    def run(*args):
+    def run(*args, **kwargs):
         first = next(a for a in args if isinstance(a, torch.Tensor))
-        return compiled(*args) if first.is_cuda else fn(*args)
+        return compiled(*args, **kwargs) if first.is_cuda else fn(*args, **kwargs)
 
     return run
 

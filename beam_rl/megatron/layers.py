@@ -58,8 +58,7 @@ class BeamTransformerLayer(fused.FastPaths, TransformerLayer):
         attn, _ = self.self_attention(x, attention_mask=attention_mask, rotary_pos_emb=rotary_pos_emb,
                                       packed_seq_params=kwargs.get("packed_seq_params"))
         boundary = fused.sublayer_boundary if self.fast_paths else numerics.sublayer_boundary
-        h, x = boundary(attn, h, self.post_self_attn_layernorm.weight,
-                                          self.pre_mlp_layernorm.weight, n, eps)
+        h, x = boundary(attn, h, self.post_self_attn_layernorm.weight, self.pre_mlp_layernorm.weight, n, eps)
         if self.is_moe_layer:
             mlp_out, _ = self.mlp(x, padding_mask=padding_mask)
         else:

@@ -20,6 +20,8 @@ import re
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from beam_rl.megatron.fused import cuda_compiled
+
 BLOCK = 32
 E4M3_MAX = 448.0
 
@@ -57,16 +59,14 @@ def _quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
 # One fused kernel on CUDA instead of a dozen passes with FP32 temporaries; every step is exact or a
 # round-to-nearest-even cast, so the compiled values equal the eager ones (tests/gpu). Dynamic shapes:
 # one graph for every linear's weight and activation of a rank.
-_quantize_dequantize_compiled = torch.compile(_quantize_dequantize, dynamic=True)
+_quantize_dequantize_fused = cuda_compiled(_quantize_dequantize, dynamic=True)
 
 
 class _FakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        if not x.is_cuda:
-            return _quantize_dequantize(x)
         # a plain tensor: a Parameter would be a guard of its own (a recompile per type and shape)
-        return _quantize_dequantize_compiled(x.detach() if isinstance(x, torch.nn.Parameter) else x)
+        return _quantize_dequantize_fused(x.detach() if isinstance(x, torch.nn.Parameter) else x)
 
     @staticmethod
     def backward(ctx, grad):
