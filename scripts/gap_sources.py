@@ -8,7 +8,8 @@ Trainers, each recomputing the same rollout with its routing replayed:
   computing it, `set_attention_numerics(engine.attention_numerics)`; FP32 LM head), and with each
   attention definition (output rounded to nearest):
   fp32 (FP32 SDPA), bf16-probs (probabilities rounded to BF16 before P.V), bf16 (BF16 SDPA inputs),
-  flash (FlexAttention, CUDA only: `train.attention: flash`, the CUDA default `auto`)
+  flash (FlexAttention, CUDA only: `train.attention: flash`, what the default `auto` runs there; the
+  first row on CUDA). The dtype the first row resolves to gets no row of its own.
 - megatron bf16 in plain PyTorch (`fused.set_fast_paths(model, False)`: what the fast paths move)
 - megatron bf16, LM head logits rounded to BF16 (the definition numerics.lm_head_logits replaced)
 - megatron fp32 (no BF16 rounding anywhere: how much of the gap is rounding the two sides share)
@@ -78,12 +79,11 @@ def reference_deltas(checkpoint, batch, patches=None, attention=None):
 
 
 def main() -> None:
-    import torch
-
     from beam_rl.engines import start_rollout_engine
     from beam_rl.gap import GapOptions
     from beam_rl.gap.cli import stdout_to_stderr
     from beam_rl.gap.measure import _build_checkpoint, default_prompts, engine_settings, gap_stats, load_prompts, recompute, rollout
+    from beam_rl.megatron.attention import trainer_attention_dtype
     from beam_rl.model.checkpoint import load_config
     from beam_rl.model.numerics import AttentionNumerics
 
@@ -112,16 +112,14 @@ def main() -> None:
         engine.shutdown()
         rows = {}
         variants = {
-            f"megatron bf16 (gap --mode bf16: the engine reports {engine_attention}; trainer attention auto)": dict(
-                mode="bf16", attention=engine_attention),
-            "megatron bf16, attention_dtype=fp32": dict(mode="bf16", attention_dtype="fp32"),
-            "megatron bf16, attention_dtype=bf16-probs": dict(mode="bf16", attention_dtype="bf16-probs"),
-            "megatron bf16, attention_dtype=bf16": dict(mode="bf16", attention_dtype="bf16"),
+            # what `beam-rl gap --mode bf16` runs (flash on CUDA): no separate row for the dtype it resolves to
+            f"megatron bf16 (gap --mode bf16, trainer attention auto: attention_dtype={trainer_attention_dtype(engine_attention)}; "
+            f"the engine reports {engine_attention})": dict(mode="bf16", attention=engine_attention),
+            **{f"megatron bf16, attention_dtype={dtype}": dict(mode="bf16", attention_dtype=dtype)
+               for dtype in ("fp32", "bf16-probs", "bf16") if dtype != trainer_attention_dtype(engine_attention)},
             "megatron bf16, plain PyTorch (fast paths off; attention as the engine reports)": dict(
                 mode="bf16", attention=engine_attention, trainer_attention="engine", fast_paths=False),
             "megatron bf16, LM head logits rounded to BF16": dict(mode="bf16", round_head=True),
-            **({"megatron bf16, attention_dtype=flash (train.attention: flash, auto on CUDA)": dict(mode="bf16", attention_dtype="flash")}
-               if torch.cuda.is_available() else {}),
             "megatron fp32": dict(mode="fp32"),
             "megatron mxfp8-emulated": dict(mode="mxfp8"),
         }
