@@ -204,9 +204,13 @@ def test_fast_paths_equal_plain_pytorch_on_the_whole_model(world, tiny_model, ti
     (lp_fast, g_fast), (lp_plain, g_plain) = results
     assert torch.equal(lp_fast, lp_plain)
     assert g_fast.keys() == g_plain.keys()
-    for name in g_plain:  # the plain model rounds per-element gradients to BF16 where its forward rounds
+    # The plain model rounds per-element gradients to BF16 where its forward rounds; after the backward
+    # of every layer that noise is a few percent in layer 0: the plain model against itself with
+    # another CPU GEMM backend (torch.backends.mkldnn off, on an AMX-BF16 Xeon) moves layer 0's
+    # gate-bias gradient by 3.5%, the fast paths against the plain model by 3.2%.
+    for name in g_plain:
         rel = ((g_fast[name] - g_plain[name]).norm() / g_plain[name].norm().clamp_min(1e-30)).item()
-        assert rel <= 2e-2, (name, rel)
+        assert rel <= 5e-2, (name, rel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
