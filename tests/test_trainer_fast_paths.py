@@ -9,7 +9,9 @@
   backward): the visibility rule of the explicit attention, padding with SkyRL's zero positions and
   the sliding window included;
 - the MXFP8 scale exponent from the binary exponent equals ceil(log2) away from its rounding edge
-  and is exact at it.
+  and is exact at it;
+- the compile policy of the CUDA-compiled backwards (`fused.compiled_on`, here compiled for CPU):
+  micro-batch shapes that change every step compile twice in all, not once per new shape.
 The CUDA kernels behind them (Triton forward, compiled backward, FlexAttention, the grouped GEMM and
 the FP32-output LM head) are checked on the H200 by tests/gpu/test_trainer_gpu.py.
 """
@@ -140,6 +142,26 @@ def test_flash_block_mask_keeps_the_visibility_rule():
                                       positions[row, :n], positions[row, :n], window).transpose(0, 1)
             err = (got[row, :, :n].float() - want.float()).abs().max().item()
             assert err <= 2e-2, (window, row, err)  # BF16 P and output vs the FP64 spec
+
+
+def test_compiled_backward_compiles_once_more_for_every_later_shape():
+    """The trainer's [tokens, batch, hidden] micro-batches change rows and width every DAPO step: the
+    first shape compiles, the first change compiles a shape-generic graph, and no later shape (a
+    single row included) compiles again."""
+    from torch._dynamo.utils import counters
+
+    rms_bwd = fused.compiled_on(("cpu",), fused._rms_backward)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(32, generator=gen).to(BF16)
+    graphs = []
+    for s, b in [(30, 24), (31, 20), (29, 24), (40, 3), (12, 1), (64, 9)]:
+        x, g = (torch.randn(s, b, 32, generator=gen).to(BF16) for _ in range(2))
+        before = counters["stats"]["unique_graphs"]
+        got = rms_bwd(x, w, g, 1e-6)
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+        for a, e in zip(got, fused._rms_backward(x, w, g, 1e-6), strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    assert graphs == [1, 1, 0, 0, 0, 0], graphs
 
 
 def test_trainer_attention_choice():

@@ -28,6 +28,7 @@ such padding keys).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Union
@@ -96,7 +97,15 @@ def _table(kind: str, device: torch.device, max_positions: int, head_dim: int = 
 _BLOCK_MASKS: list = []  # [(positions, version, window, block mask)]: the masks of the forward in flight
 
 
-_flex_attention = fused.cuda_compiled(flex_attention)  # CPU: the eager forward (FlexAttention has no CPU backward)
+_flex_attention = fused.cuda_compiled(flex_attention, unbacked=False)  # CPU: the eager forward (no CPU backward)
+_NO_WINDOW = 1 << 62  # full attention as a window no distance reaches
+
+
+@functools.cache
+def _create_block_mask_compiled():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def _block_mask(positions: torch.Tensor, window: int | None):
@@ -109,13 +118,17 @@ def _block_mask(positions: torch.Tensor, window: int | None):
             return mask
     pos = positions
 
+    # the window as a tensor: one compiled mask (and attention) for sliding and full layers, where a
+    # Python int in the closure is a constant Dynamo specialises on
+    span = torch.tensor(_NO_WINDOW if window is None else window, device=positions.device)
+
     def visible(b, h, q_idx, kv_idx):
         dist = pos[b, q_idx] - pos[b, kv_idx]
-        ok = (kv_idx <= q_idx) & (dist >= 0)
-        return ok & (dist < window) if window is not None else ok
+        return (kv_idx <= q_idx) & (dist >= 0) & (dist < span)
 
     b, s = positions.shape
-    mask = create_block_mask(visible, b, None, s, s, device=positions.device, _compile=positions.is_cuda)
+    build = _create_block_mask_compiled() if positions.is_cuda else create_block_mask
+    mask = build(visible, b, None, s, s, device=positions.device)
     _BLOCK_MASKS[:] = [m for m in _BLOCK_MASKS if m[0] is positions][-1:] + [(positions, positions._version, window, mask)]
     return mask
 

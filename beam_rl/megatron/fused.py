@@ -44,17 +44,43 @@ def set_fast_paths(model: torch.nn.Module, enabled: bool) -> int:
     return len(switched)
 
 
-def cuda_compiled(fn, separate_roundings: bool = False, dynamic: bool | None = None):
+def cuda_compiled(fn, separate_roundings: bool = False, dynamic: bool | None = None, unbacked: bool = True):
     """fn compiled for CUDA, run eagerly on CPU (chosen per call, by the first tensor argument).
-    `dynamic`: torch.compile's (None: shapes marked dynamic after the first change).
+    `dynamic`: torch.compile's (None: a dimension becomes dynamic when a call changes it).
     `separate_roundings`: no fused multiply-adds in the generated kernels (Inductor's
-    `emulate_precision_casts`), so each FP32 product and sum rounds as the eager ops do."""
+    `emulate_precision_casts`), so each FP32 product and sum rounds as the eager ops do.
+    `unbacked`: see `compiled_on`."""
+    return compiled_on(("cuda",), fn, separate_roundings=separate_roundings, dynamic=dynamic, unbacked=unbacked)
+
+
+def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = False, dynamic: bool | None = None,
+                unbacked: bool = True):
+    """`cuda_compiled` for the devices `device_types` (the tests compile on CPU).
+
+    Shapes: the trainer's token dimensions change with every micro-batch (rows, padded width). With
+    `unbacked`, a dimension that changes is compiled as an unbacked size (Dynamo's
+    `automatic_dynamic_shapes_mark_as="unbacked"`): no specialisation on 0 / 1 and no guards on its
+    value, so one further compile serves every later shape, where backed sizes recompile whenever a
+    new shape crosses a guard the compiler took from an earlier one (seen on CPU: sizes 1, and
+    thresholds in Inductor's code generation). The setting is swapped in per call (a few us) because
+    Dynamo reads it only while compiling, which happens inside the call. FlexAttention needs backed
+    sizes (with unbacked ones it compiles a new frame on every call): `unbacked=False`."""
     compiled = torch.compile(fn, dynamic=dynamic, options={"emulate_precision_casts": True} if separate_roundings else None)
+    config = torch._dynamo.config
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         first = next(a for a in args if isinstance(a, torch.Tensor))
-        return compiled(*args, **kwargs) if first.is_cuda else fn(*args, **kwargs)
+        if first.device.type not in device_types:
+            return fn(*args, **kwargs)
+        if not unbacked:
+            return compiled(*args, **kwargs)
+        before = config.automatic_dynamic_shapes_mark_as
+        config.automatic_dynamic_shapes_mark_as = "unbacked"
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            config.automatic_dynamic_shapes_mark_as = before
 
     return run
 

@@ -7,7 +7,9 @@ shapes (beam-mini widths, 4 x 1024 tokens). Skips cleanly without CUDA or megatr
 - "flash" attention (FlexAttention): outputs and gradients against FP32 attention;
 - the LM head's FP32-output BF16 GEMM against an FP32 GEMM, and its BF16 gradient;
 - grouped-GEMM experts against the per-expert loop;
-- compiled log-probs against eager ones.
+- compiled log-probs against eager ones;
+- the compile policy: DAPO's changing micro-batch shapes compile the whole model's kernels twice in
+  all (FlexAttention once more past one 128-token block), never once per new shape.
 Run: `python -m pytest -q -s tests/gpu/test_trainer_gpu.py` (`h200_campaign.sh trainer_gpu`).
 """
 
@@ -178,3 +180,38 @@ def test_auto_attention_is_flash_against_cuda_engines():
     assert trainer_attention_dtype(numerics.AttentionNumerics()) == "flash"  # what CUDA engines report
     assert trainer_attention_dtype(numerics.AttentionNumerics(), "engine") == "fp32"
     assert trainer_attention_dtype(numerics.AttentionNumerics(probs="bf16")) == "bf16-probs"
+
+
+def test_changing_micro_batch_shapes_stop_compiling_after_the_second():
+    """beam-tiny trained as DAPO feeds it: rows and width change every micro-batch. The first shape
+    compiles every kernel, the first change compiles shape-generic ones; later shapes up to one
+    FlexAttention block (128 tokens) compile nothing, and the first longer one only FlexAttention's
+    mask and attention again."""
+    from torch._dynamo.utils import counters
+
+    from beam_rl.megatron import replay as r3
+    from beam_rl.megatron.cpu import init_single_process
+    from beam_rl.megatron.logprobs import sequence_logprobs
+    from beam_rl.megatron.provider import BeamModelProvider
+    from beam_rl.model.modeling import build_model
+    from beam_rl.model.presets import get_preset
+
+    init_single_process()
+    config = get_preset("beam-tiny")
+    ref = build_model(config, seed=0, dtype=BF16)
+    model = BeamModelProvider(config, mode="bf16", attention_dtype="flash").provide_loaded(ref.state_dict()).train().cuda()
+    gen = torch.Generator().manual_seed(0)
+    graphs = []
+    for b, t in [(24, 30), (20, 31), (24, 29), (32, 47), (16, 96), (48, 64), (17, 33), (16, 200)]:
+        ids = torch.randint(1, config.vocab_size, (b, t), generator=gen).cuda()
+        lengths = torch.randint(t // 2, t + 1, (b,), generator=gen).cuda()
+        lengths[0] = t
+        before = counters["stats"]["unique_graphs"]
+        lp, mask = sequence_logprobs(model, ids, config=config, lengths=lengths, prompt_lengths=torch.full((b,), 4).cuda(),
+                                     mode="processed")
+        (lp * mask).sum().backward()
+        r3.clear_replay(model)
+        torch.cuda.synchronize()
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    print(f"\ngraphs compiled per micro-batch shape: {graphs}")
+    assert graphs[2:7] == [0] * 5 and graphs[7] <= 2, graphs
