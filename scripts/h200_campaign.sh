@@ -33,7 +33,9 @@
 #                  gap_h200.sh on that checkpoint with held-out prompts (MODES, default "bf16 lora";
 #                  TRAINER_ATTENTION=engine|flash|auto, the trainer's attention (default auto: flash); SOURCES=1 adds gap_sources.py there:
 #                  one rollout, the trainer with each attention definition (flash included) and fast paths off)
-#   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps; DAPO_ARGS, e.g. "--stop-after 4")
+#   dapo           beam-rl dapo --recipe recipes/mini-h200.yaml (10 steps; DAPO_ARGS, e.g. "--stop-after 4");
+#                  the DAPO stages log torch.compile's recompiles and their reasons (TORCH_LOGS=recompiles),
+#                  and each step's compile seconds are its `compile_s`
 #   rollout_check  scripts/gpu_rollout_check.py (capture paths, parity, in-place reload A -> B -> A)
 #   tp2            scripts/gpu_rollout_check.py --tensor-parallel 2 (needs 2 GPUs; run it alone)
 #   warm           beam-rl warm-start --recipe recipes/mini-h200.yaml -> $WORK/mini-warm (the warm start
@@ -85,14 +87,14 @@ stage_cmd() {
     bench_kernels) echo "python3 $REPO/scripts/bench_kernels.py --out $OUT/kernels.json ${BENCH_KERNELS_ARGS:-}" ;;
     gap) echo "checkpoint; OUT=$OUT/gap CKPT=$CKPT WORK=$WORK bash $REPO/scripts/gap_h200.sh" ;;
     gap_trained) echo "python3 $REPO/scripts/pretrain_bytes.py --preset beam-mini --out $WORK/beam-mini-bytes --seconds ${PRETRAIN_S:-150} --prompts-out $WORK/bytes-prompts.json && OUT=$OUT/gap_trained CKPT=$WORK/beam-mini-bytes PROMPTS=$WORK/bytes-prompts.json MODES='${MODES:-bf16 lora}' TRAINER_ATTENTION=${TRAINER_ATTENTION:-auto} WORK=$WORK SOURCES=${SOURCES:-0} bash $REPO/scripts/gap_h200.sh" ;;
-    dapo) echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200 ${DAPO_ARGS:-}" ;;
+    dapo) echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-h200 ${DAPO_ARGS:-}" ;;
     rollout_check) echo "python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --json $OUT/rollout_check.json" ;;
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
     warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-warm --overwrite && python3 -m beam_rl.skyrl.data --recipe $REPO/recipes/mini-h200.yaml --out $WORK/skyrl-data --tokenizer-into $WORK/mini-warm" ;;
     skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports ${SKYRL_ARGS:-}; rc=\$?; ray stop --force >/dev/null 2>&1; exit \$rc" ;;
     math_warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/ckpt/math-mini-warm --overwrite" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
-      echo "python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; cp $r/metrics.jsonl $OUT/math-$m.jsonl; exit \$rc" ;;
+      echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; cp $r/metrics.jsonl $OUT/math-$m.jsonl; exit \$rc" ;;
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
     drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;

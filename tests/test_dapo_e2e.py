@@ -69,7 +69,7 @@ def test_two_steps_then_resume_equals_uninterrupted(engine, tmp_path):
     assert [m["step"] for m in full] == [0, 1, 2]
     for m in full[1:]:
         for key in ("reward_mean", "accuracy", "response_length", "clip_frac_low", "clip_frac_high", "kept_group_fraction",
-                    "max_abs_logprob_diff", "rollout_tokens_per_s", "train_tokens_per_s", "sync_s"):
+                    "max_abs_logprob_diff", "rollout_tokens_per_s", "train_tokens_per_s", "sync_s", "compile_s"):
             assert key in m, key
         assert m["mean_abs_logprob_diff"] < 0.01, m  # R3 on: trainer == rollout log-probs
     assert "heldout_avg2" in full[0] and "heldout_avg2" in full[2]

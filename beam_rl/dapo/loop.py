@@ -24,7 +24,7 @@ from beam_rl.dapo.advantages import compute_advantages
 from beam_rl.dapo.config import Recipe, RecipeError, recipe_to_dict
 from beam_rl.dapo.data import DataOrder, eval_seed, sampling_seed
 from beam_rl.dapo.loss import LossSettings, policy_loss
-from beam_rl.dapo.metrics import MetricsWriter
+from beam_rl.dapo.metrics import MetricsWriter, torch_compile_seconds
 from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
 from beam_rl.dapo.sampling import DynamicSampler
 from beam_rl.dapo.warmstart import initial_policy
@@ -339,9 +339,10 @@ class Job:
                  "rollout_tokens_per_s": stats["generated_tokens"] / t_roll, "rollout_s": t_roll}
             if sampler.kept:
                 self._sleep(True)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), torch_compile_seconds()
                 tr = self.train(sampler.kept)
                 m["train_s"] = time.perf_counter() - t1
+                m["compile_s"] = torch_compile_seconds() - c1
                 m["train_tokens_per_s"] = tr.pop("train_tokens") / m["train_s"]
                 m.update(tr)
                 self._sleep(False)

@@ -40,6 +40,20 @@ class MetricsWriter:
             self.tb.close()
 
 
+# torch.compile's own timers: Dynamo's frame compiles (Inductor's forward kernels included) and the
+# backward graphs that AOTAutograd compiles at their first backward
+_COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+
+
+def torch_compile_seconds() -> float:
+    """Seconds this process has spent compiling with torch.compile so far (a step's `compile_s` is
+    the difference across its train phase: the trainer's kernels meeting a shape they were not
+    compiled for)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(sum(compilation_time_metrics.get(k, ())) for k in _COMPILE_TIMERS))
+
+
 def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():

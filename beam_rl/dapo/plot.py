@@ -9,7 +9,7 @@ from beam_rl.dapo.metrics import read_metrics
 PANELS = (
     ("reward_mean", "accuracy"), ("heldout_avg8",), ("mean_abs_logprob_diff", "max_abs_logprob_diff"),
     ("response_length",), ("clip_frac_low", "clip_frac_high"), ("kept_group_fraction",),
-    ("rollout_tokens_per_s", "train_tokens_per_s"), ("sync_s",),
+    ("rollout_tokens_per_s", "train_tokens_per_s"), ("sync_s",), ("train_s", "compile_s"),
 )
 
 
