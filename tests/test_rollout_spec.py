@@ -119,6 +119,7 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
 
     got = {}
     e = engine()
+    got["attention"] = e.attention_numerics  # how this machine's engine computes attention (the reference follows it)
     llm = e.llm
     before = spec_counts(llm)
     outs, routing = greedy(llm)
@@ -192,15 +193,18 @@ def test_greedy_and_routing_with_speculation_equal_without(speculative, tiny_eng
         assert a.shape == b.shape and (a == b).all(), "speculation changed the reported routing"
 
 
-def _reference(tiny_model, drafter_path, tokens):
+def _reference(tiny_model, drafter_path, speculative):
+    """(ids, the target's hidden states with attention defined as the engine computed it, the drafter)."""
     from beam_rl.model.dflash2 import load_drafter, target_hidden_states
 
-    ids = torch.tensor(PROMPTS[-1] + tokens)
-    return ids, target_hidden_states(tiny_model, ids, TARGET_LAYERS), load_drafter(drafter_path)
+    ids = torch.tensor(PROMPTS[-1] + speculative["steps_tokens"])
+    with tiny_model.attention_numerics(speculative["attention"]):
+        hidden = target_hidden_states(tiny_model, ids, TARGET_LAYERS)
+    return ids, hidden, load_drafter(drafter_path)
 
 
 def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_model, drafter_path):
-    ids, hidden, _ = _reference(tiny_model, drafter_path, speculative["steps_tokens"])
+    ids, hidden, _ = _reference(tiny_model, drafter_path, speculative)
     checked = 0
     for step in speculative["steps"]:
         # the verified rows of the step: up to its first rejected draft token
@@ -213,14 +217,15 @@ def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_
 
 
 def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafter_path):
-    """Per draft step: the block's final hidden states within 2 BF16 ulps of the reference's (vLLM's
+    """Per draft step (attention defined as the engine computes it, for target and drafter): the
+    block's final hidden states within 2 BF16 ulps of the reference's (vLLM's
     attention accumulates its softmax blockwise, the reference in one pass; every other op is the
     reference's own), the walk over vLLM's hidden states is the reference's bit for bit, and the
     drafted tokens are the reference drafter's."""
     from beam_rl.model import numerics
     from beam_rl.model.dflash2 import batched_edge_scores, batched_walk
 
-    ids, hidden, drafter = _reference(tiny_model, drafter_path, speculative["steps_tokens"])
+    ids, hidden, drafter = _reference(tiny_model, drafter_path, speculative)
     embed, head = tiny_model.model.embed_tokens.weight, tiny_model.lm_head.weight
     c, B = drafter.config, 1 + NUM_SPECULATIVE
     # the last step drafts after a token that max_tokens then cut from the output
@@ -233,7 +238,7 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
         assert step["block_ids"][1:B].tolist() == [c.mask_token_id] * NUM_SPECULATIVE
         assert step["block_positions"][:B].tolist() == list(range(a, a + B))
         pos = torch.arange(a)
-        with torch.no_grad():
+        with torch.no_grad(), drafter.attention_numerics(speculative["attention"]):  # attention as the engine's
             ctx = drafter.context(hidden[:a], pos)
             h, _ = drafter.propose(ctx, pos, anchor, a, NUM_SPECULATIVE, embed, head)
             want = drafter.draft(ctx, pos, anchor, a, NUM_SPECULATIVE, embed, head)

@@ -23,11 +23,14 @@ row 0 the anchor (the last verified token), rows 1..K `mask_token_id`, at positi
   candidates (0 elsewhere), which rejection sampling needs.
 
 Numerics: BF16 activations with FP32 norms (`numerics.rms_norm`), FP32 attention scores and softmax,
-every projection rounded once; the convolution sums its taps in FP32 and rounds once.
+every projection rounded once; the convolution sums its taps in FP32 and rounds once. Attention can
+round as a rollout engine's kernels do (`DFlash2Drafter.attention_numerics`, as the target's
+`BeamForCausalLM.attention_numerics`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -156,6 +159,8 @@ class BlockConv(nn.Module):
 
 
 class DraftAttention(nn.Module):
+    attention_kernel = numerics.AttentionNumerics()  # the spec; `DFlash2Drafter.attention_numerics` sets an engine's
+
     def __init__(self, c: DFlash2Config):
         super().__init__()
         self.c = c
@@ -189,8 +194,14 @@ class DraftAttention(nn.Module):
         groups = c.num_attention_heads // c.num_key_value_heads
         kf, vf = k.float().repeat_interleave(groups, 1), v.float().repeat_interleave(groups, 1)
         scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(c.head_dim)
-        probs = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
-        out = torch.einsum("hqk,khd->qhd", probs, vf).to(u.dtype)
+        scores = scores.masked_fill(~visible[None], float("-inf"))
+        kernel = self.attention_kernel
+        if kernel.probs == "exact":
+            probs = torch.softmax(scores, dim=-1)
+        else:  # P rounded to BF16 before P.V, normalised by the sum of the unrounded P (`numerics.attention`)
+            e = torch.exp(scores - scores.amax(-1, keepdim=True))
+            probs = e.to(torch.bfloat16).float() / e.sum(-1, keepdim=True)
+        out = numerics.round_to(torch.einsum("hqk,khd->qhd", probs, vf), u.dtype, kernel.output_rounding)
         return self.o_proj(out.reshape(B, -1))
 
 
@@ -358,6 +369,21 @@ class DFlash2Drafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.candidate_selector = CandidateSelector(c)
+
+    @contextlib.contextmanager
+    def attention_numerics(self, kernel: numerics.AttentionNumerics):
+        """Within the block, every draft layer's attention rounds as `kernel` (how a rollout engine
+        reporting `attention_numerics == kernel` computes it); the spec again afterwards."""
+        if not isinstance(kernel, numerics.AttentionNumerics):
+            raise TypeError(f"attention_numerics takes a numerics.AttentionNumerics, got {kernel!r}")
+        layers = [layer.self_attn for layer in self.layers]
+        for m in layers:
+            m.attention_kernel = kernel
+        try:
+            yield self
+        finally:
+            for m in layers:
+                del m.attention_kernel  # back to the class's spec
 
     def context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """target_hidden [C, n*H] (the residual streams after `target_layer_ids`, concatenated in that
