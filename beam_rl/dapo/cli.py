@@ -52,9 +52,18 @@ def cmd_warm_start(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from beam_rl.dapo.plot import plot_run
+    from beam_rl.dapo.config import RecipeError
+    from beam_rl.dapo.plot import plot_run, plot_runs
 
-    for p in plot_run(args.run_dir):
+    if len(args.run_dir) > 1 or args.out:
+        if not args.out:
+            raise RecipeError("several run directories are compared into one folder: pass --out DIR")
+        written = plot_runs(args.run_dir, args.out, labels=args.label)
+    else:
+        if args.label:
+            raise RecipeError("--label names the runs compared with --out DIR; one run's plots go to RUN_DIR/plots")
+        written = plot_run(args.run_dir[0])
+    for p in written:
         print(p)
     return 0
 
@@ -79,6 +88,9 @@ def add_warm_start_parser(sub) -> None:
 
 
 def add_plot_parser(sub) -> None:
-    p = sub.add_parser("plot", help="PNG curves of a DAPO run's metrics.jsonl (written to RUN_DIR/plots)")
-    p.add_argument("run_dir")
+    p = sub.add_parser("plot", help="PNG curves of a DAPO run's metrics.jsonl (RUN_DIR/plots), or of several runs "
+                                    "compared, a line per run (--out DIR)")
+    p.add_argument("run_dir", nargs="+")
+    p.add_argument("--out", default=None, help="folder for the comparison of the runs (held-out avg@8, reward, response length, R3 gap)")
+    p.add_argument("--label", action="append", default=None, help="a run's name in the legend, once per RUN_DIR in order (default: its folder name)")
     p.set_defaults(func=cmd_plot)

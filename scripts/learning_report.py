@@ -1,0 +1,106 @@
+"""The learning result of a set of DAPO runs from one warm start, into docs/ (the learning page's data).
+
+    python scripts/learning_report.py --suite math-mini-h200 --recipes recipes/math \\
+        --device "one NVIDIA H200: ..." --date 2026-12-06 --commit abc1234 --via "h200_campaign.sh ..." \\
+        --warm-start CKPT_DIR/warm_start.json RUNS/bf16 RUNS/lora RUNS/mxfp8 RUNS/no-r3
+
+Each RUN_DIR is a `beam-rl dapo` run directory (run.json: its recipe; metrics.jsonl: its steps) named
+after its recipe in --recipes (RUNS/bf16 ran recipes/math/bf16.yaml). Writes:
+- docs/bench/learning_<suite>_<run>.jsonl: the provenance, then every step's metrics;
+- docs/results.json: one row per run (`mode`, `r3`, `steps`, `avg8_before`, `avg8_after`,
+  `max_mean_abs_logprob_diff` and more), replacing the suite's earlier rows, keeping other suites';
+- docs/results/learning/<suite>/*.png: the runs' curves compared (`beam-rl plot --out`).
+`python scripts/render_results.py` then renders docs/results/learning.md from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# the issue's bars on the per-step R3 gap, mean |d logprob| (runs with R3 on)
+GAP_BARS = {"bf16": 0.005, "lora": 0.005, "mxfp8": 0.015}
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 2) if values else None
+
+
+def run_row(run_dir: Path, suite: str, recipes: str, prov: dict) -> tuple[dict, list[dict]]:
+    """(results.json row, metrics rows) of one run directory."""
+    run = json.loads((run_dir / "run.json").read_text())
+    recipe = run["recipe"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    k = recipe["rollout"]["eval_samples"]
+    held = [(r["step"], r[f"heldout_avg{k}"]) for r in rows if f"heldout_avg{k}" in r]
+    steps = [r for r in rows if "reward_mean" in r]
+    if not held or held[0][0] != 0:
+        raise SystemExit(f"{run_dir}: no step-0 held-out avg@{k} in metrics.jsonl (a run resumed past step 0 lost it?)")
+    gaps = [r["mean_abs_logprob_diff"] for r in steps if "mean_abs_logprob_diff" in r]
+    mode, r3 = recipe["train"]["mode"], recipe["train"]["routing_replay"]
+    name = run_dir.name
+    row = {
+        "suite": suite, "run": name, "mode": mode, "r3": r3, "steps": steps[-1]["step"] if steps else 0,
+        "planned_steps": recipe["run"]["total_steps"],
+        f"avg{k}_before": round(held[0][1], 4), f"avg{k}_after": round(held[-1][1], 4),
+        "gain_points": round(100 * (held[-1][1] - held[0][1]), 1),
+        "max_mean_abs_logprob_diff": max(gaps) if gaps else None,
+        "gap_bar": GAP_BARS.get(mode) if r3 else None,
+        "heldout": [{"step": s, f"avg{k}": round(a, 4)} for s, a in held],
+        "rollout_tokens_per_s": _median(r.get("rollout_tokens_per_s") for r in steps),
+        "train_tokens_per_s": _median(r.get("train_tokens_per_s") for r in steps),
+        "rollout_s": _median(r.get("rollout_s") for r in steps), "train_s": _median(r.get("train_s") for r in steps),
+        "sync_s": _median(r.get("sync_s") for r in steps), "step_s": _median(r.get("time_s") for r in steps),
+        "command": f"beam-rl dapo --recipe {recipes}/{name}.yaml --out RUN_DIR", **prov,
+    }
+    return row, rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="run directories, each named after its recipe")
+    ap.add_argument("--suite", required=True, help="name of this set of runs, e.g. math-mini-h200")
+    ap.add_argument("--recipes", required=True, help="the recipes' folder, e.g. recipes/math")
+    ap.add_argument("--device", required=True)
+    ap.add_argument("--date", required=True)
+    ap.add_argument("--commit", required=True)
+    ap.add_argument("--via", default="", help="the script that ran the commands, if any")
+    ap.add_argument("--warm-start", type=Path, default=None, help="the warm start's warm_start.json (its held-out curve)")
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write into (default: the repository's)")
+    args = ap.parse_args(argv)
+    bench, results, figures = args.docs / "bench", args.docs / "results.json", args.docs / "results" / "learning"
+
+    sys.path.insert(0, str(ROOT))
+    from beam_rl.dapo.plot import plot_runs
+
+    prov = {"date": args.date, "device": args.device, "commit": args.commit, **({"via": args.via} if args.via else {})}
+    new = []
+    for run_dir in args.runs:
+        row, rows = run_row(run_dir, args.suite, args.recipes, prov)
+        head = {"provenance": {k: row[k] for k in ("command", *prov)}, "summary": {"suite": args.suite, "run": row["run"]}}
+        out = bench / f"learning_{args.suite}_{row['run']}.jsonl"
+        out.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+        new.append(row)
+        print(f"{row['run']}: {row['mode']}, R3 {'on' if row['r3'] else 'off'}, {row['steps']} steps, held-out "
+              f"{row['avg8_before']:.3f} -> {row['avg8_after']:.3f} ({row['gain_points']:+.1f} points), "
+              f"max per-step gap {row['max_mean_abs_logprob_diff']}")
+    data = json.loads(results.read_text()) if results.exists() else {"runs": [], "warm_starts": []}
+    data["runs"] = [r for r in data["runs"] if r["suite"] != args.suite] + new
+    if args.warm_start:
+        warm = {"suite": args.suite, **json.loads(args.warm_start.read_text()), **prov}
+        data["warm_starts"] = [w for w in data.get("warm_starts", []) if w["suite"] != args.suite] + [warm]
+    results.write_text(json.dumps(data, indent=1) + "\n")
+    labels = [f"{r['run']} ({r['mode']}, R3 {'on' if r['r3'] else 'off'})" for r in new]
+    plot_runs(args.runs, figures / args.suite, labels=labels,
+              gap_bounds={lab: r["gap_bar"] for lab, r in zip(labels, new) if r["gap_bar"]})
+    print(f"-> {results}, {bench}/learning_{args.suite}_*.jsonl, {figures / args.suite}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
