@@ -6,7 +6,9 @@
 #
 # Everything under $OUT is packed into $OUT/results.tgz at the end (PACK=0 keeps the files).
 # Each argument is a lane: its stages run in order on GPU <lane index> (CUDA_VISIBLE_DEVICES);
-# with fewer GPUs than lanes the lanes run one after another. Every stage runs under a timeout
+# with fewer GPUs than lanes the lanes run one after another, or side by side on the shared GPU with
+# SHARE_GPU=1 (host-bound stages such as two DAPO runs whose engines and trainers fit in its memory:
+# the math recipes take 12% of the GPU for vLLM each). Every stage runs under a timeout
 # that ends before the call's own limit ($BUDGET seconds from the start, default 570) and records
 # its exit code in $OUT/status. The beam-mini checkpoint is written once to $WORK (seed 0).
 #
@@ -48,7 +50,8 @@
 #   math_warm      beam-rl warm-start --recipe recipes/math/warm-mini-h200.yaml -> $WORK/ckpt/math-mini-warm
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
 #                  learning runs from that warm start, 50 steps, resumed from $WORK/runs/math-<mode> when a
-#                  call ran out of time; metrics in $OUT/math-<mode>.jsonl
+#                  call ran out of time; metrics.jsonl and run.json in $OUT/runs/<mode>/, the input of
+#                  scripts/learning_report.py (with $OUT/warm_start.json)
 #   spec_test      tests/test_rollout_spec.py on vLLM 0.26 (beam-tiny, the DFlash2 drafter distilled in the test:
 #                  greedy and R3 equal without speculation, drafts equal the reference's, adaptive verification)
 #   spec           scripts/bench_spec.py: no speculation vs DFlash2 at concurrency 1 / 8 / 32 / 128 on the math warm
@@ -92,9 +95,9 @@ stage_cmd() {
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
     warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-warm --overwrite && python3 -m beam_rl.skyrl.data --recipe $REPO/recipes/mini-h200.yaml --out $WORK/skyrl-data --tokenizer-into $WORK/mini-warm" ;;
     skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports ${SKYRL_ARGS:-}; rc=\$?; ray stop --force >/dev/null 2>&1; exit \$rc" ;;
-    math_warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/ckpt/math-mini-warm --overwrite" ;;
+    math_warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/ckpt/math-mini-warm --overwrite && cp $WORK/ckpt/math-mini-warm/warm_start.json $OUT/" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
-      echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; cp $r/metrics.jsonl $OUT/math-$m.jsonl; exit \$rc" ;;
+      echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; exit \$rc" ;;
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
     drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
@@ -119,7 +122,7 @@ lane=0
 pids=()
 for stages in "$@"; do
   gpu=$(( NGPU > 1 ? lane % NGPU : 0 ))
-  if [ "$NGPU" -gt 1 ]; then run_lane "$gpu" $stages & pids+=($!); else run_lane 0 $stages; fi
+  if [ "$NGPU" -gt 1 ] || [ "${SHARE_GPU:-0}" = 1 ]; then run_lane "$gpu" $stages & pids+=($!); else run_lane 0 $stages; fi
   lane=$((lane + 1))
 done
 for p in "${pids[@]}"; do wait "$p"; done
