@@ -146,7 +146,8 @@ def test_math_task_recipe_checks_name_the_field():
 
 def test_recipe_base_chain(tmp_path):
     """`base:` merges section by section, relative to the file, down a chain; loops and a missing
-    base are refused by name. The recipes in recipes/math/ build on their warm-start recipe."""
+    base are refused by name. The recipes in recipes/math/ build on their warm-start recipe, those in
+    recipes/tiny-cpu/ on the main job's."""
     (tmp_path / "a.yaml").write_text("run:\n  seed: 3\n  total_steps: 7\ntrain:\n  lr: 1.0e-4\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.yaml").write_text("base: ../a.yaml\nrun:\n  total_steps: 9\n")
@@ -163,6 +164,11 @@ def test_recipe_base_chain(tmp_path):
     assert (warm.task.name, warm.model.preset, warm.model.checkpoint) == ("math", "beam-mini", None)
     with pytest.raises(RecipeError, match="model.checkpoint: ckpt/math-mini-warm has no config.json"):
         load_recipe("recipes/math/no-r3.yaml")  # the runs start from the warm start's checkpoint: write it first
+    # the CPU set of four: the main job in each mode, from the same seeded warm start
+    tiny = {m: load_recipe(f"recipes/tiny-cpu/{m}.yaml") for m in ("bf16", "lora", "mxfp8", "no-r3")}
+    assert {m: (r.train.mode, r.train.routing_replay) for m, r in tiny.items()} == {
+        "bf16": ("bf16", True), "lora": ("lora", True), "mxfp8": ("mxfp8", True), "no-r3": ("bf16", False)}
+    assert len({(r.warm_start, r.model, r.task, r.run.seed) for r in tiny.values()}) == 1
 
 
 def test_data_order_is_deterministic_and_resumable():
