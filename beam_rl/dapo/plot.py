@@ -31,6 +31,16 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, xlabel: str, path: Path) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _rows(run_dir: Path) -> list[dict]:
     rows = read_metrics(run_dir)
     if not rows:
@@ -55,14 +65,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=k)
         if "mean_abs_logprob_diff" in present:
             ax.axhline(0.01, color="red", linestyle="--", linewidth=0.8, label="0.01")
-        ax.set_xlabel("step")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out_dir / f"{present[0]}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, ax, "step", out_dir / f"{present[0]}.png"))
     return written
 
 
@@ -88,13 +91,6 @@ def plot_runs(run_dirs, out_dir: str | Path, labels=None, gap_bounds: dict[str, 
                 ax.axhline(gap_bounds[label], color=f"C{i}", linestyle="--", linewidth=0.8)
         if log:
             ax.set_yscale("log")
-        ax.set_xlabel("DAPO step")
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        path = out_dir / f"{key}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, ax, "DAPO step", out_dir / f"{key}.png"))
     return written

@@ -374,16 +374,8 @@ class DFlash2Drafter(nn.Module):
     def attention_numerics(self, kernel: numerics.AttentionNumerics):
         """Within the block, every draft layer's attention rounds as `kernel` (how a rollout engine
         reporting `attention_numerics == kernel` computes it); the spec again afterwards."""
-        if not isinstance(kernel, numerics.AttentionNumerics):
-            raise TypeError(f"attention_numerics takes a numerics.AttentionNumerics, got {kernel!r}")
-        layers = [layer.self_attn for layer in self.layers]
-        for m in layers:
-            m.attention_kernel = kernel
-        try:
+        with numerics.attention_kernels((layer.self_attn for layer in self.layers), kernel):
             yield self
-        finally:
-            for m in layers:
-                del m.attention_kernel  # back to the class's spec
 
     def context(self, target_hidden: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """target_hidden [C, n*H] (the residual streams after `target_layer_ids`, concatenated in that

@@ -287,16 +287,8 @@ class BeamForCausalLM(BeamPreTrainedModel):
         """Within the block, every layer's attention rounds as `kernel` (`numerics.AttentionNumerics`:
         as a rollout engine reporting `attention_numerics == kernel` computes it); the spec again
         afterwards."""
-        if not isinstance(kernel, numerics.AttentionNumerics):
-            raise TypeError(f"attention_numerics takes a numerics.AttentionNumerics, got {kernel!r}")
-        layers = [m for m in self.modules() if isinstance(m, BeamAttention)]
-        for m in layers:
-            m.attention_kernel = kernel
-        try:
+        with numerics.attention_kernels((m for m in self.modules() if isinstance(m, BeamAttention)), kernel):
             yield self
-        finally:
-            for m in layers:
-                m.attention_kernel = numerics.AttentionNumerics()
 
     @classmethod
     def from_pretrained(cls, path, *args, dtype: torch.dtype = torch.bfloat16, device="cpu", **kwargs):

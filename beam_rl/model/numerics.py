@@ -8,6 +8,7 @@ when the model runs in FP32). Shapes: tokens first, heads next, head_dim last.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -166,6 +167,23 @@ class AttentionNumerics:
 
     def __str__(self) -> str:
         return f"probs={self.probs}, output_rounding={self.output_rounding}"
+
+
+@contextlib.contextmanager
+def attention_kernels(modules, kernel: AttentionNumerics):
+    """Within the block, each attention module of `modules` (an `attention_kernel` attribute read by
+    its forward) rounds as `kernel`, as a rollout engine reporting `attention_numerics == kernel`
+    computes it; the spec again afterwards."""
+    if not isinstance(kernel, AttentionNumerics):
+        raise TypeError(f"attention_numerics takes a numerics.AttentionNumerics, got {kernel!r}")
+    modules = list(modules)
+    for m in modules:
+        m.attention_kernel = kernel
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.attention_kernel = AttentionNumerics()
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: str = "nearest") -> torch.Tensor:
