@@ -1,6 +1,6 @@
 """The learning result of a set of DAPO runs from one warm start, into docs/ (the learning page's data).
 
-    python scripts/learning_report.py --suite math-mini-h200 --recipes recipes/math \\
+    python scripts/learning_report.py --suite math-mini-h200 --title "beam-mini, the math suite, one H200" --recipes recipes/math \\
         --device "one NVIDIA H200: ..." --date 2026-12-06 --commit abc1234 --via "h200_campaign.sh ..." \\
         --warm-start CKPT_DIR/warm_start.json RUNS/bf16 RUNS/lora RUNS/mxfp8 RUNS/no-r3
 
@@ -31,7 +31,7 @@ def _median(values):
     return round(statistics.median(values), 2) if values else None
 
 
-def run_row(run_dir: Path, suite: str, recipes: str, prov: dict) -> tuple[dict, list[dict]]:
+def run_row(run_dir: Path, suite: str, title: str, recipes: str, prov: dict) -> tuple[dict, list[dict]]:
     """(results.json row, metrics rows) of one run directory."""
     run = json.loads((run_dir / "run.json").read_text())
     recipe = run["recipe"]
@@ -45,7 +45,7 @@ def run_row(run_dir: Path, suite: str, recipes: str, prov: dict) -> tuple[dict, 
     mode, r3 = recipe["train"]["mode"], recipe["train"]["routing_replay"]
     name = run_dir.name
     row = {
-        "suite": suite, "run": name, "mode": mode, "r3": r3, "steps": steps[-1]["step"] if steps else 0,
+        "suite": suite, "title": title, "run": name, "mode": mode, "r3": r3, "steps": steps[-1]["step"] if steps else 0,
         "planned_steps": recipe["run"]["total_steps"],
         f"avg{k}_before": round(held[0][1], 4), f"avg{k}_after": round(held[-1][1], 4),
         "gain_points": round(100 * (held[-1][1] - held[0][1]), 1),
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories, each named after its recipe")
     ap.add_argument("--suite", required=True, help="name of this set of runs, e.g. math-mini-h200")
+    ap.add_argument("--title", required=True, help="what the suite is: model, task, device (the page's heading for it)")
     ap.add_argument("--recipes", required=True, help="the recipes' folder, e.g. recipes/math")
     ap.add_argument("--device", required=True)
     ap.add_argument("--date", required=True)
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     prov = {"date": args.date, "device": args.device, "commit": args.commit, **({"via": args.via} if args.via else {})}
     new = []
     for run_dir in args.runs:
-        row, rows = run_row(run_dir, args.suite, args.recipes, prov)
+        row, rows = run_row(run_dir, args.suite, args.title, args.recipes, prov)
         head = {"provenance": {k: row[k] for k in ("command", *prov)}, "summary": {"suite": args.suite, "run": row["run"]}}
         out = bench / f"learning_{args.suite}_{row['run']}.jsonl"
         out.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))

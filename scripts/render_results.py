@@ -602,6 +602,7 @@ def learning_page(path: Path = LEARNING) -> Page:
     for suite in dict.fromkeys(r["suite"] for r in data["runs"]):
         runs = [r for r in data["runs"] if r["suite"] == suite]
         recs += runs
+        parts.append(f"## {suite}: {runs[0]['title']}\n")
         warm = next((w for w in data.get("warm_starts", []) if w["suite"] == suite), None)
         if warm:
             curve = ", ".join(f"{e['heldout_avg']:.3f} (step {e['step']})" for e in warm["evaluations"])

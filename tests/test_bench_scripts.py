@@ -207,8 +207,8 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     (tmp_path / "warm_start.json").write_text(json.dumps({"steps": 100, "target_heldout_avg": 0.3, "eval_samples": 8,
                                                           "evaluations": [{"step": 100, "heldout_avg": 0.31}]}))
     prov = ["--device", "CPU", "--date", "2026-12-05", "--commit", "abc1234"]
-    assert learning_report.main([str(runs[1]), "--suite", "other", "--recipes", "recipes/math", "--docs", str(docs), *prov]) == 0
-    assert learning_report.main([*map(str, runs), "--suite", "math-test", "--recipes", "recipes/math", "--docs", str(docs),
+    assert learning_report.main([str(runs[1]), "--suite", "other", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs), *prov]) == 0
+    assert learning_report.main([*map(str, runs), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs),
                                  "--warm-start", str(tmp_path / "warm_start.json"), *prov]) == 0
     data = json.loads((docs / "results.json").read_text())
     assert [r["suite"] for r in data["runs"]] == ["other", "math-test", "math-test"]
@@ -231,4 +231,4 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     assert where == "CPU, 2026-12-05"
     (runs[0] / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.0}\n')  # resumed past step 0: nothing to compare with
     with pytest.raises(SystemExit, match="no step-0 held-out"):
-        learning_report.main([str(runs[0]), "--suite", "math-test", "--recipes", "recipes/math", "--docs", str(docs), *prov])
+        learning_report.main([str(runs[0]), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs), *prov])
