@@ -82,13 +82,15 @@ INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the ind
              "the DAPO loop's per-step sync and in-place reloads A -> B -> A. `beam-rl sync --strategy nccl` to a "
              "server on another GPU is not measured yet."),
     "learning": ("Learning", "does RL work on Beam: held-out avg@8 over DAPO steps from one warm start, per mode, R3 on and off",
-                 "DAPO with R3 from one supervised warm start on the math suite (`beam_rl/tasks/math_suite.py`: multi-step "
-                 "arithmetic and word problems, worked solutions of tens of tokens, DAPO-format prompts, graded by "
-                 "math-verify as `beam-rl eval` grades), one run per training mode plus bf16 without R3. Held-out avg@8 "
-                 "is on problems the runs never train on; the R3 gap is each step's mean |trainer - rollout log-prob| "
-                 "of its training batch. The issue's bars: held-out avg@8 up by >= 25 points within 50 steps in bf16, "
-                 "lora and mxfp8, the three within 5 points of each other, the per-step gap <= 0.005 (bf16, lora) and "
-                 "<= 0.015 (mxfp8) with R3. Data: [results.json](../results.json), written by "
+                 "Sets of DAPO runs from one supervised warm start: one run per training mode (bf16, lora, mxfp8, all with "
+                 "R3) plus bf16 without R3, each set a suite with its model, task and device. Held-out avg@8 is on "
+                 "problems the runs never train on; the R3 gap is each step's mean |trainer - rollout log-prob| of its "
+                 "training batch. The learning result itself is beam-mini on the math suite on one H200 "
+                 "(`recipes/math/`: multi-step arithmetic and word problems with worked solutions of tens of tokens, "
+                 "DAPO-format prompts, graded by math-verify as `beam-rl eval` grades); `recipes/tiny-cpu/` is its "
+                 "rehearsal on CPU with the main job. The issue's bars: held-out avg@8 up by >= 25 points within 50 "
+                 "steps in bf16, lora and mxfp8, the three within 5 points of each other, the per-step gap <= 0.005 "
+                 "(bf16, lora) and <= 0.015 (mxfp8) with R3. Data: [results.json](../results.json), written by "
                  "`scripts/learning_report.py` from the run directories."),
     "reliability": ("Reliability", "bad inputs and faults: what beam-rl refuses, recovers from, and reports",
                     "Every class of bad input and fault that has been tried, what beam-rl does with it, and the CPU test "
