@@ -114,6 +114,7 @@ def test_recipe_unknown_key_and_bad_values_name_the_field(tmp_path):
         ({"rollout": {"sync_dir": 3}}, "rollout.sync_dir: expected a non-empty string"),
         ({"rollout": {"eval_samples": 0}}, "rollout.eval_samples: must be >= 1"),
         ({"rollout": {"kv_cache_gib": -1.0}}, "rollout.kv_cache_gib: must be > 0"),
+        ({"rollout": {"gpu_kv_cache_gib": 0}}, "rollout.gpu_kv_cache_gib: must be > 0 GiB, or null"),
         ({"rollout": {"max_model_len": 8}}, r"rollout.max_model_len: 8 < the longest prompt \(5 tokens\) \+ rollout.max_response_tokens"),
         ({"model": {"checkpoint": str(tmp_path / "none")}}, "model.checkpoint: .* has no config.json"),
         ({"dapo": {"enable": True}}, "unknown recipe key 'dapo.enable'"),

@@ -364,6 +364,21 @@ def test_one_kv_cache_group_keeps_the_sliding_window(tiny_checkpoint, tiny_vllm,
         del llm
 
 
+def test_gpu_kv_cache_size_is_fixed_only_when_asked(tiny_checkpoint):
+    """`gpu_kv_cache_gib` becomes vLLM's `kv_cache_memory_bytes` on CUDA (no sizing from a memory
+    profile that another process on the GPU could upset); CPU engines size theirs by kv_cache_gib."""
+    from beam_rl.engines import EngineSettings
+    from beam_rl.engines.vllm import llm_kwargs
+
+    fixed = EngineSettings(model=str(tiny_checkpoint), gpu_kv_cache_gib=10, gpu_memory_utilization=0.12)
+    assert llm_kwargs(fixed, cuda=True)["kv_cache_memory_bytes"] == 10 * 2**30
+    assert llm_kwargs(fixed, cuda=True)["gpu_memory_utilization"] == 0.12
+    assert "kv_cache_memory_bytes" not in llm_kwargs(EngineSettings(model=str(tiny_checkpoint)), cuda=True)
+    assert "kv_cache_memory_bytes" not in llm_kwargs(fixed, cuda=False)
+    with pytest.raises(ValueError, match="gpu_kv_cache_gib must be > 0 GiB or None"):
+        EngineSettings(model=str(tiny_checkpoint), gpu_kv_cache_gib=0)
+
+
 def test_hybrid_kv_cache_only_where_the_window_saves_most_kv(tiny_checkpoint, tiny_vllm, tiny_config):
     from beam_rl.engines import EngineSettings
     from beam_rl.engines.vllm import HYBRID_KV_MIN_WINDOWS, hybrid_kv_cache

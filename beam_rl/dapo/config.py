@@ -121,6 +121,10 @@ class RolloutConfig:
     """CPU engines: VLLM_CPU_KVCACHE_SPACE in GiB."""
     gpu_memory_utilization: float = 0.5
     """GPU engines: fraction of GPU memory vLLM may take (the trainer shares the GPU)."""
+    gpu_kv_cache_gib: float | None = None
+    """GPU engines: the KV cache's size in GiB, instead of what gpu_memory_utilization leaves after
+    vLLM's memory profile (set it when other runs share the GPU: they change its free memory while
+    the profile reads it)."""
     sleep_between_phases: bool = False
     """GPU: put vLLM to sleep (enable_sleep_mode) while the trainer runs, wake it for rollout."""
     enforce_eager: bool = True
@@ -282,6 +286,8 @@ class Recipe:
         need(self.rollout.eval_samples >= 1, "rollout.eval_samples", "must be >= 1 (avg@k needs k samples)")
         need(self.rollout.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0 GiB")
         need(0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must lie in (0, 1]")
+        need(self.rollout.gpu_kv_cache_gib is None or self.rollout.gpu_kv_cache_gib > 0, "rollout.gpu_kv_cache_gib",
+             "must be > 0 GiB, or null to size the KV cache from gpu_memory_utilization")
         need(self.rollout.max_num_seqs >= 1, "rollout.max_num_seqs", "must be >= 1")
         need(self.dapo.oversample_factor >= 1, "dapo.oversample_factor", "must be >= 1")
         need(self.dapo.overlong.penalty_factor >= 0, "dapo.overlong.penalty_factor", "must be >= 0")

@@ -166,7 +166,7 @@ class Job:
             model=str(model_dir), tokenizer=str(model_dir), seed=recipe.run.seed, max_model_len=ro.max_model_len,
             max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, kv_cache_gib=ro.kv_cache_gib,
             lora_rank=recipe.train.lora.r if recipe.train.serves_adapter else None,
-            gpu_memory_utilization=ro.gpu_memory_utilization, sleep_mode=ro.sleep_between_phases,
+            gpu_memory_utilization=ro.gpu_memory_utilization, gpu_kv_cache_gib=ro.gpu_kv_cache_gib, sleep_mode=ro.sleep_between_phases,
             processed_logprobs=ro.temperature != 1.0,
             log_file=str(Path(run_dir) / "engine.log") if run_dir is not None else None)
 

@@ -53,6 +53,10 @@ class EngineSettings:
     """CPU engines: KV-cache memory (VLLM_CPU_KVCACHE_SPACE, whole GiB, at least 1)."""
     gpu_memory_utilization: float = 0.5
     """CUDA engines: vLLM's share of GPU memory (the trainer may share the GPU)."""
+    gpu_kv_cache_gib: float | None = None
+    """CUDA engines: the KV cache's size in GiB (vLLM's `kv_cache_memory_bytes`); None: what
+    `gpu_memory_utilization` leaves after vLLM's memory profile. Set it where other processes share
+    the GPU: the profile reads the device's free memory, which they change while the engine starts."""
     sleep_mode: bool = False
     """CUDA engines: allow `sleep()` / `wake()` (weights offloaded between phases)."""
     processed_logprobs: bool = False
@@ -88,6 +92,8 @@ class EngineSettings:
             raise ValueError(f"EngineSettings.kv_cache_gib must be > 0 GiB, got {self.kv_cache_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"EngineSettings.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpu_kv_cache_gib is not None and self.gpu_kv_cache_gib <= 0:
+            raise ValueError(f"EngineSettings.gpu_kv_cache_gib must be > 0 GiB or None, got {self.gpu_kv_cache_gib}")
         if self.adaptive_verification and not (self.engine_args.get("speculative_config") or {}).get("model"):
             raise ValueError("EngineSettings.adaptive_verification needs a drafter: engine_args['speculative_config'] "
                              "with method 'dflash' and the DFlash2 drafter's directory as 'model'")

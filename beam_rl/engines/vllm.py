@@ -192,17 +192,8 @@ def check_draft_window(s: EngineSettings, target_window: int | None) -> None:
                          "and a Beam target in one KV-cache group, whose sliding layers share one window")
 
 
-def start_llm(s: EngineSettings):
-    """The `vllm.LLM` of settings `s`: engine core in this process, beam-rl's worker extension, prefix
-    caching off."""
-    cuda = torch.cuda.is_available()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(s.kv_cache_gib)))))
-    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the parent did torch work: a forked child can hang in libgomp
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a minutes-long nvcc build on a fresh GPU machine
-    if s.log_file:
-        route_vllm_logs(s.log_file)
-    from vllm import LLM
-
+def llm_kwargs(s: EngineSettings, cuda: bool) -> dict:
+    """The `vllm.LLM` keyword arguments of settings `s` on a CUDA or CPU machine."""
     kwargs = dict(model=s.model, dtype=s.dtype, enforce_eager=s.enforce_eager, max_model_len=s.max_model_len, seed=s.seed,
                   max_num_seqs=s.max_num_seqs, enable_prefix_caching=False, worker_extension_cls=WORKER_EXTENSION)
     kwargs.update(dict(tokenizer=s.tokenizer) if s.tokenizer else dict(skip_tokenizer_init=True))
@@ -217,11 +208,28 @@ def start_llm(s: EngineSettings):
         kwargs["use_tqdm_on_load"] = False  # a weight-loading bar per in-place reload would flood the console
     if cuda:
         kwargs.update(gpu_memory_utilization=s.gpu_memory_utilization, enable_sleep_mode=s.sleep_mode)
+        if s.gpu_kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(s.gpu_kv_cache_gib * 2**30)
     else:
         # vllm-cpu 0.32 fails a seeded request whose prefill is split over steps (its CPU generators
         # have no offset to rewind: `_bookkeeping_sync`), so CPU engines prefill whole prompts.
         kwargs["enable_chunked_prefill"] = False
     kwargs.update(s.engine_args)
+    return kwargs
+
+
+def start_llm(s: EngineSettings):
+    """The `vllm.LLM` of settings `s`: engine core in this process, beam-rl's worker extension, prefix
+    caching off."""
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(s.kv_cache_gib)))))
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the parent did torch work: a forked child can hang in libgomp
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else a minutes-long nvcc build on a fresh GPU machine
+    if s.log_file:
+        route_vllm_logs(s.log_file)
+    from vllm import LLM
+
+    kwargs = llm_kwargs(s, cuda)
     with _in_process_engine_core():
         llm = LLM(**kwargs)
     import vllm.envs
