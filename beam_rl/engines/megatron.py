@@ -51,9 +51,10 @@ class MasterAdamW:
 
     @torch.no_grad()
     def _copy_back(self):
-        for p, m in zip(self.params, self.master):
-            if m is not p:
-                p.copy_(m)
+        """Each BF16 parameter = its FP32 master rounded to nearest, in one multi-tensor copy."""
+        low = [(p, m) for p, m in zip(self.params, self.master) if m is not p]
+        if low:
+            torch._foreach_copy_([p for p, _ in low], [m for _, m in low])
 
     def state_dict(self) -> dict:
         return {"master": [m.detach().clone() for m in self.master], "opt": self.opt.state_dict()}
