@@ -257,6 +257,18 @@ def _save_ckpt(run_dir, step, run_id, tiny_config):
     return checkpointing.save(run_dir, step, tensors, tiny_config, {"run_id": run_id})
 
 
+def test_prune_keeps_the_newest_checkpoints(tmp_path, tiny_config):
+    from beam_rl.dapo import checkpointing
+
+    paths = [_save_ckpt(tmp_path, step, "run-a", tiny_config) for step in (5, 10, 15)]
+    assert checkpointing.prune(tmp_path, 2, paths[-1]) == [paths[0]]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000010", "step_000015"]
+    assert checkpointing.latest(tmp_path, "run-a") == paths[-1]
+    assert checkpointing.prune(tmp_path, 1, paths[1]) == []  # nothing older than step 10 is left; step 15 is newer
+    with pytest.raises(RecipeError, match="run.keep_checkpoints: must be >= 1"):
+        recipe_from_dict({"run": {"keep_checkpoints": 0}})
+
+
 def test_latest_falls_back_past_a_damaged_checkpoint(tmp_path, tiny_config):
     from beam_rl.dapo import checkpointing
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,17 @@ def save(run_dir: Path, step: int, hf_tensors: dict[str, torch.Tensor], config, 
         record = {"run_id": trainer_state.get("run_id"), "files": _file_checksums(tmp)}
         (tmp / CHECKSUMS).write_text(json.dumps(record, indent=1))
     return final
+
+
+def prune(run_dir: Path, keep: int, newest: Path) -> list[Path]:
+    """Delete the checkpoints older than the `keep` newest up to `newest`, which `save` has just
+    written whole (atomically, checksums last); returns the deleted directories."""
+    root = Path(run_dir) / "checkpoints"
+    done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and p.name <= newest.name)
+    old = done[:-keep] if keep < len(done) else []
+    for p in old:
+        shutil.rmtree(p)
+    return old
 
 
 def _file_checksums(root: Path) -> dict[str, str]:

@@ -30,6 +30,10 @@ class RunConfig:
     """DAPO steps (one rollout batch + `dapo.updates_per_step` optimizer updates each)."""
     checkpoint_every: int = 4
     """Write an atomic checkpoint every N steps (and always at the end)."""
+    keep_checkpoints: int | None = None
+    """Keep only the newest N checkpoints (older ones are deleted once a newer one is written whole);
+    None keeps all. A full-model checkpoint holds the weights and the FP32 optimizer state (~16 GB
+    for beam-mini in bf16)."""
     eval_every: int = 4
     """Held-out avg@k every N steps (and at step 0, the warm start, and at the end)."""
     out: str = "runs/dapo"
@@ -246,6 +250,8 @@ class Recipe:
 
         need(self.run.total_steps >= 1, "run.total_steps", "must be >= 1")
         need(self.run.checkpoint_every >= 1, "run.checkpoint_every", "must be >= 1")
+        need(self.run.keep_checkpoints is None or self.run.keep_checkpoints >= 1, "run.keep_checkpoints",
+             "must be >= 1 (the newest is what --resume continues from), or null to keep all")
         need(self.run.eval_every >= 1, "run.eval_every", "must be >= 1")
         need(self.model.preset in PRESETS, "model.preset", f"unknown preset {self.model.preset!r}; choose from {sorted(PRESETS)}")
         need(self.task.name in TASKS, "task.name", f"choose one of {list(TASKS)}")

@@ -304,7 +304,10 @@ class Job:
     def checkpoint(self, step: int) -> Path:
         state = {"optimizer": self.policy.optimizer_state(), "data": self.data.state_dict(), "recipe": recipe_to_dict(self.r),
                  "sampling_seed_base": self.r.run.seed, "run_id": self.run_id}
-        return checkpointing.save(self.run_dir, step, self.policy.export(merged=False), self.config, state)
+        path = checkpointing.save(self.run_dir, step, self.policy.export(merged=False), self.config, state)
+        if self.r.run.keep_checkpoints is not None:
+            checkpointing.prune(self.run_dir, self.r.run.keep_checkpoints, path)
+        return path
 
     def _sleep(self, asleep: bool) -> None:
         """rollout.sleep_between_phases (GPU): free vLLM's memory while the trainer runs."""
