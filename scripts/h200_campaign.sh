@@ -20,7 +20,8 @@
 # Stages:
 #   megatron       tests/gpu/test_megatron_gpu.py (parity under R3 per mode, a training step)
 #   kernels        tests/gpu/test_kernels_gpu.py
-#   trainer_gpu    tests/gpu/test_trainer_gpu.py (the trainer's fast paths against the definitions they replace)
+#   trainer_gpu    tests/gpu/test_trainer_gpu.py (the trainer's fast paths against the definitions they replace;
+#                  TRAINER_GPU_ARGS, e.g. "-k changing")
 #   bridge         tests/gpu/test_bridge_gpu.py (Beam through Megatron-Bridge: distributed-optimizer step and
 #                  SkyRL's checkpoint save / load; needs the SkyRL kits installed)
 #   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096: baseline (plain PyTorch) / bf16 / lora / mxfp8-emulated /
@@ -82,7 +83,7 @@ stage_cmd() {
   case "$1" in
     megatron) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_megatron_gpu.py" ;;
     bridge) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_bridge_gpu.py" ;;
-    trainer_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_trainer_gpu.py" ;;
+    trainer_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_trainer_gpu.py ${TRAINER_GPU_ARGS:-}" ;;
     kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py ${KERNELS_ARGS:-}" ;;
     bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes baseline bf16 lora mxfp8-emulated peer --profile --json $OUT/train.json ${BENCH_TRAIN_ARGS:-}" ;;
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs ${BENCH_ROLLOUT_ARGS:-}" ;;
