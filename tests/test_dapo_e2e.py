@@ -79,8 +79,9 @@ def test_two_steps_then_resume_equals_uninterrupted(engine, tmp_path):
     assert (set(shm.glob("beam-rl-full-*")) if shm.is_dir() else set()) == before
     assert (tmp_path / "full" / "engine").exists() == (not shm.is_dir())
 
-    # "killed" after step 1 (a stale partial checkpoint is left behind), then resumed
-    part = run_dapo(r, tmp_path / "part", engine=engine, progress=False, stop_after=1)
+    # out of time after step 1 (no time is left for a step: max_seconds=0; a stale partial checkpoint
+    # is left behind), then resumed
+    part = run_dapo(r, tmp_path / "part", engine=engine, progress=False, max_seconds=0)
     assert [m["step"] for m in part] == [0, 1]
     (tmp_path / "part" / "checkpoints" / ".step_000002.tmp-dead").mkdir()
     resumed = run_dapo(r, tmp_path / "part", engine=engine, progress=False, resume=True)
@@ -152,7 +153,8 @@ def test_warm_start_stops_at_its_heldout_target(engine, tmp_path):
     from beam_rl.model.checkpoint import verify_checkpoint
 
     r = recipe(warm_start={"steps": 30, "batch_size": 32, "target_heldout_avg": 0.05, "eval_every": 10})
-    losses, evals = write_warm_start(r, tmp_path / "warm", engine=engine, log=lambda *_: None)
+    done = write_warm_start(r, tmp_path / "warm", engine=engine, log=lambda *_: None)
+    losses, evals = done.losses, done.evals
     print(f"\nwarm start to held-out avg 0.05: {evals}")
     assert [s for s, _ in evals] == list(range(10, len(losses) + 1, 10)) + ([len(losses)] if len(losses) % 10 else [])
     reached = [a >= 0.05 for _, a in evals]

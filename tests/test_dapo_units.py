@@ -401,15 +401,17 @@ def test_supervised_step_in_micro_batches_is_the_whole_batch_step(tiny_model, ti
 
 def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
     """`beam-rl warm-start`: the recipe's supervised steps on the real Megatron trainer, saved in the
-    released format (strictly verified, FP32 routers), the loss falling; a non-empty --out is refused."""
+    released format (strictly verified, FP32 routers), the loss falling; a non-empty --out is refused;
+    a warm start stopped early resumes to the uninterrupted one's weights."""
     from beam_rl.dapo.warmstart import write_warm_start
     from beam_rl.model.checkpoint import read_tensors, verify_checkpoint
 
     recipe = recipe_from_dict({"run": {"seed": 0, "total_steps": 1}, "model": {"preset": "beam-tiny", "init_seed": 0},
                                "warm_start": {"steps": 6, "batch_size": 16, "lr": 1.0e-3}})
     out = tmp_path / "warm"
-    losses, evals = write_warm_start(recipe, out, log=lambda *_: None)
-    assert evals == [] and not (out / "warm_start.json").exists()  # no target: no evaluation
+    done = write_warm_start(recipe, out, log=lambda *_: None)
+    losses = done.losses
+    assert done.finished and done.evals == [] and not (out / "warm_start.json").exists()  # no target: no evaluation
     assert len(losses) == 6 and losses[-1] < losses[0]
     config = verify_checkpoint(out)
     routers = {k: t for k, t in read_tensors(out, config) if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))}
@@ -419,3 +421,26 @@ def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
     with pytest.raises(RecipeError, match="warm_start.steps"):
         write_warm_start(recipe_from_dict({"run": {"total_steps": 1}, "model": {"preset": "beam-tiny"}, "warm_start": {"steps": 0}}),
                          tmp_path / "none", log=lambda *_: None)
+
+    # stopped after step 3 (as a device call's time limit stops it), then resumed: the uninterrupted
+    # run's problems, losses and weights, bit for bit
+    part = tmp_path / "part"
+    stopped = write_warm_start(recipe, part, stop_after=3, log=lambda *_: None)
+    assert not stopped.finished and stopped.step == 3 and not (part / "config.json").exists()
+    assert [p.name for p in (part / "checkpoints").iterdir()] == ["step_000003"]
+    with pytest.raises(RecipeError, match="--out .* is not empty; pass --overwrite to replace it, --resume"):
+        write_warm_start(recipe, part, log=lambda *_: None)
+    changed = recipe_from_dict({"run": {"seed": 0, "total_steps": 1}, "model": {"preset": "beam-tiny", "init_seed": 0},
+                                "warm_start": {"steps": 6, "batch_size": 16, "lr": 2.0e-3}})
+    with pytest.raises(RecipeError, match="--resume: warm_start differs .* restore warm_start, or pass --overwrite"):
+        write_warm_start(changed, part, resume=True, log=lambda *_: None)
+    with pytest.raises(RecipeError, match="--overwrite and --resume contradict"):
+        write_warm_start(recipe, part, resume=True, overwrite=True, log=lambda *_: None)
+    again = write_warm_start(recipe, part, resume=True, max_seconds=0, log=lambda *_: None)  # no time for a second step
+    assert not again.finished and again.step == 4 and [p.name for p in (part / "checkpoints").iterdir()] == ["step_000004"]
+    resumed = write_warm_start(recipe, part, resume=True, log=lambda *_: None)
+    assert resumed.finished and resumed.losses == losses and not (part / "checkpoints").exists()
+    whole, parts = dict(read_tensors(out, config)), dict(read_tensors(part, config))
+    assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
+    with pytest.raises(RecipeError, match="--resume: the warm start in .* is finished"):
+        write_warm_start(recipe, part, resume=True, log=lambda *_: None)

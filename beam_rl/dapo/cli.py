@@ -30,7 +30,7 @@ def cmd_dapo(args) -> int:
         log_warnings_to(Path(out) / "engine.log")
     t0 = time.perf_counter()
     try:
-        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after, engine_log=not args.verbose, overwrite=args.overwrite)
+        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after, max_seconds=args.max_seconds, engine_log=not args.verbose, overwrite=args.overwrite)
     except R3GapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -47,7 +47,8 @@ def cmd_warm_start(args) -> int:
     from beam_rl.dapo.config import load_recipe
     from beam_rl.dapo.warmstart import write_warm_start
 
-    write_warm_start(load_recipe(args.recipe), args.out, overwrite=args.overwrite)
+    write_warm_start(load_recipe(args.recipe), args.out, overwrite=args.overwrite, resume=args.resume, stop_after=args.stop_after,
+                     max_seconds=args.max_seconds)
     return 0
 
 
@@ -75,15 +76,24 @@ def add_dapo_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run directory's last intact checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run's results in the run directory")
     p.add_argument("--stop-after", type=int, default=None, help="stop (with a checkpoint) after this step, as if killed")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop with a checkpoint after the step past which the slowest step so far would end later than this "
+                        "many seconds from the start (a device call's time limit minus the checkpoint's writing); --resume continues")
     p.add_argument("--verbose", action="store_true", help="engine logs and library warnings on the console (default: RUN_DIR/engine.log)")
     p.set_defaults(func=cmd_dapo)
 
 
 def add_warm_start_parser(sub) -> None:
-    p = sub.add_parser("warm-start", help="the recipe's supervised warm start, saved as a checkpoint (no rollout engine)")
+    p = sub.add_parser("warm-start", help="the recipe's supervised warm start, saved as a checkpoint (evaluated on a rollout "
+                                                 "engine when warm_start.target_heldout_avg is set); resumable")
     p.add_argument("--recipe", required=True, help="recipe YAML: its model, task, warm_start and train.mode sections")
     p.add_argument("--out", required=True, help="checkpoint directory to write (config.json + safetensors)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--resume", action="store_true", help="continue the warm start stopped early in --out (its checkpoints/)")
+    p.add_argument("--stop-after", type=int, default=None, help="stop after this step, leaving a resumable checkpoint in --out/checkpoints")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop, leaving a resumable checkpoint, before a step (with its evaluation) would end past this many "
+                        "seconds from the start; the checkpoint's writing comes after (a device call's time limit minus a margin)")
     p.set_defaults(func=cmd_warm_start)
 
 

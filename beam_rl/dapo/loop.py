@@ -198,7 +198,7 @@ class Job:
             self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute,
                                         attention=r.train.attention)
         else:
-            self.policy, _, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
+            self.policy, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
         if self.lora:
             self.policy.add_lora(r.train.lora.r, r.train.lora.alpha, seed=r.run.seed)
         self.policy.make_optimizer(lr=r.train.lr, betas=r.train.betas, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip)
@@ -319,7 +319,9 @@ class Job:
             self.engine.wake()  # then the verified sync overwrites the weights
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, stop_after: int | None = None) -> list[dict]:
+    def run(self, stop_after: int | None = None, stop_by: float | None = None) -> list[dict]:
+        """Steps to run.total_steps; stopped early, with a checkpoint, after step `stop_after` or when
+        the slowest step so far would end past `stop_by` (a `time.monotonic()` time)."""
         from tqdm import tqdm
 
         r = self.r
@@ -332,6 +334,7 @@ class Job:
             history.append(first)
             self.log(f"step 0 (warm start): held-out avg@{k} = {acc0:.3f}")
         bar = tqdm(range(self.start_step + 1, r.run.total_steps + 1), desc="dapo", disable=not self.progress, dynamic_ncols=True)
+        slowest = 0.0
         for step in bar:
             t0 = time.perf_counter()
             sampler, stats = self.rollout(step)
@@ -362,9 +365,13 @@ class Job:
                 self.checkpoint(step)
                 raise R3GapError(f"step {step}: mean |trainer - rollout logprob| = {m['mean_abs_logprob_diff']:.4f} > "
                                  f"run.max_mean_abs_logprob_diff = {r.run.max_mean_abs_logprob_diff}")
-            if step % r.run.checkpoint_every == 0 or step == r.run.total_steps or step == stop_after:
+            slowest = max(slowest, m["time_s"])
+            out_of_time = stop_by is not None and step < r.run.total_steps and time.monotonic() + slowest > stop_by
+            if step % r.run.checkpoint_every == 0 or step == r.run.total_steps or step == stop_after or out_of_time:
                 self.checkpoint(step)
-            if stop_after is not None and step >= stop_after:
+            if (stop_after is not None and step >= stop_after) or out_of_time:
+                if out_of_time:
+                    self.log(f"step {step}: stopped with a checkpoint (the next step would end past --max-seconds); continue with --resume")
                 break
         self.metrics.close()
         return history
@@ -376,14 +383,17 @@ class Job:
 
 
 def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, engine: RolloutEngine | None = None, stop_after: int | None = None,
-             progress: bool = True, log=print, engine_log: bool = False, overwrite: bool = False) -> list[dict]:
+             max_seconds: float | None = None, progress: bool = True, log=print, engine_log: bool = False,
+             overwrite: bool = False) -> list[dict]:
     """The whole job. `engine_log`: the engine this starts logs to RUN_DIR/engine.log; `overwrite`:
-    replace an earlier run's results in `run_dir` (else a fresh start there is refused)."""
+    replace an earlier run's results in `run_dir` (else a fresh start there is refused); `stop_after`
+    / `max_seconds`: stop early with a checkpoint (`Job.run`), `max_seconds` counted from this call."""
+    stop_by = None if max_seconds is None else time.monotonic() + max_seconds
     torch.manual_seed(recipe.run.seed)
     job = Job(recipe, Path(run_dir), resume=resume, engine=engine, progress=progress, log=log, engine_log=engine_log,
               overwrite=overwrite)
     try:
-        return job.run(stop_after=stop_after)
+        return job.run(stop_after=stop_after, stop_by=stop_by)
     finally:
         job.close()
 
