@@ -46,14 +46,21 @@ def test_padded_alignment_hand_built(tiny_config):
     assert tb.routed_rows.tolist() == [[True] * 6 + [False] * 2, [True] * 5 + [False] * 3]
 
 
-def test_micro_batches_cover_every_request_once(tiny_config):
-    batch = RolloutBatch(tuple(make_sample(tiny_config, 2 + i, 1 + i % 3, i) for i in range(5)), tiny_config)
+def test_micro_batches_cover_every_request_once_shortest_first(tiny_config):
+    """Micro-batches take the requests by length (ties in order), each padded to its own longest:
+    3 padding tokens here where the arrival order has 7; every request once, every generated token
+    masked in once."""
+    prompts, outputs = [2, 3, 4, 5, 6], [6, 1, 2, 4, 1]
+    batch = RolloutBatch(tuple(make_sample(tiny_config, p, o, i) for i, (p, o) in enumerate(zip(prompts, outputs))), tiny_config)
     mbs = list(batch.micro_batches(2))
-    assert [m.indices for m in mbs] == [(0, 1), (2, 3), (4,)]
-    assert [m.input_ids.shape[1] for m in mbs] == [max(batch.samples[i].num_tokens for i in m.indices) for m in mbs]
+    assert [m.indices for m in mbs] == [(1, 2), (4, 0), (3,)]  # 4, 6, 7, 8, 9 tokens
+    assert [m.input_ids.shape[1] for m in mbs] == [6, 8, 9]
     assert sum(int(m.mask.sum()) for m in mbs) == batch.num_generated_tokens
+    assert [m.indices for m in batch.micro_batches(2, rows=[3, 0, 4])] == [(4, 0), (3,)]
     with pytest.raises(R3Error, match="out of range"):
         batch.to_trainer([5])
+    with pytest.raises(R3Error, match="micro-batch size must be >= 1, got 0"):
+        list(batch.micro_batches(0))
 
 
 def bad(change):

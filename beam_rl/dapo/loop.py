@@ -265,8 +265,7 @@ class Job:
         for mini in minis:
             rows = [gi * G + j for gi in mini for j in range(G)]
             mbs, olds, advs, masks = [], [], [], []
-            for s in range(0, len(rows), mb_size):
-                mb = batch.to_trainer(rows[s : s + mb_size])
+            for mb in batch.micro_batches(mb_size, rows):
                 old = self.policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
                 dev = old.device
                 gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])

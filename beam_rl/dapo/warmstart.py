@@ -60,15 +60,19 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
     if p.sampler is not None:
         rng.setstate(p.sampler)
     target = cfg.target_heldout_avg if evaluate is not None else None
-    slowest = 0.0
+    slowest, trained, since = 0.0, 0.0, p.step
     for step in range(p.step + 1, cfg.steps + 1):
         t0 = time.monotonic()
         problems = [rng.choice(task.train) for _ in range(cfg.batch_size)]
         p.losses.append(policy.supervised_step(*answer_batch(task, tokenizer, problems), micro_batch_size=micro_batch_size))
         p.sampler = rng.getstate()
+        trained += time.monotonic() - t0
         if target is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+            t1 = time.monotonic()
             p.evals.append((step, evaluate(policy)))
-            log(f"warm start step {step}: loss {p.losses[-1]:.3f}, held-out avg {p.evals[-1][1]:.3f} (target {target})")
+            log(f"warm start step {step}: loss {p.losses[-1]:.3f}, held-out avg {p.evals[-1][1]:.3f} (target {target}); "
+                f"{trained / (step - since):.2f} s a step, evaluation {time.monotonic() - t1:.1f} s")
+            trained, since = 0.0, step
             if p.evals[-1][1] >= target:
                 break
         slowest = max(slowest, time.monotonic() - t0)

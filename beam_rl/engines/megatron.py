@@ -19,7 +19,7 @@ from beam_rl.megatron import replay as r3
 from beam_rl.megatron.logprobs import sequence_logprobs
 from beam_rl.model.config import BeamConfig
 from beam_rl.model.numerics import AttentionNumerics
-from beam_rl.r3 import TrainerBatch
+from beam_rl.r3 import TrainerBatch, length_sorted_micro_batches
 
 # `BeamModelProvider.mode` of each training precision (no MXFP8 tensor cores on Hopper: emulated)
 PROVIDER_MODES = {"bf16": "bf16", "mxfp8": "mxfp8-emulated"}
@@ -161,17 +161,17 @@ class MegatronTrainer(TrainerBackend):
         # accumulated gradient is the one batch's mean
         positions = torch.arange(1, ids.shape[1])
         tokens = ((positions[None] >= prompt_lengths[:, None]) & (positions[None] < lengths[:, None])).sum().clamp_min(1)
-        step = micro_batch_size or ids.shape[0]
-        total = 0.0
-        for i in range(0, ids.shape[0], step):
-            sl = slice(i, i + step)
-            lp, mask = sequence_logprobs(self.model, ids[sl].to(d), config=self.config, lengths=lengths[sl].to(d),
+        total = torch.zeros((), device=d)
+        for part in length_sorted_micro_batches(lengths.tolist(), micro_batch_size or ids.shape[0]):
+            sl = torch.tensor(part)
+            width = int(lengths[sl].max())  # each micro-batch padded to its own longest sequence
+            lp, mask = sequence_logprobs(self.model, ids[sl, :width].to(d), config=self.config, lengths=lengths[sl].to(d),
                                          prompt_lengths=prompt_lengths[sl].to(d))
             loss = -(lp * mask).sum() / tokens.to(d)
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
         optimizer.step()
-        return total
+        return float(total)  # one host sync a step
 
     # -- weights out ---------------------------------------------------------------------------
     def export(self, *, merged: bool = True, on_device: bool = False, served: bool = False) -> dict[str, torch.Tensor]:
