@@ -10,7 +10,12 @@
 # SHARE_GPU=1 (host-bound stages such as two DAPO runs whose engines and trainers fit in its memory:
 # the math recipes take 12% of the GPU for vLLM each). Every stage runs under a timeout
 # that ends before the call's own limit ($BUDGET seconds from the start, default 570) and records
-# its exit code in $OUT/status. The beam-mini checkpoint is written once to $WORK (seed 0).
+# its exit code in $OUT/status; a stage out of time gets SIGABRT, so each Python process in it writes
+# its threads' stacks to the stage's log (PYTHONFAULTHANDLER). With STALL_S=N, a stage whose log has
+# not grown for N seconds is ended the same way (exit code 200 in $OUT/status) and, for the resumable
+# math stages, run once more from its last checkpoint: an in-process vLLM engine once hung in
+# Inductor's compile after "Dynamo bytecode transform time" (warm start, H200), silently for the rest
+# of the call. The beam-mini checkpoint is written once to $WORK (seed 0).
 #
 # Prerequisites: the gpu-kit unpacked and beam-rl's wheel installed into /tmp/beam, then
 #     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
@@ -68,7 +73,7 @@ WORK=${WORK:-/tmp/beam-work}
 BUDGET=${BUDGET:-570}
 START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
-export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONFAULTHANDLER=1
 CKPT=$WORK/beam-mini
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 
@@ -110,15 +115,39 @@ stage_cmd() {
   esac
 }
 
+run_stage() {  # stage, seconds left, GPU: runs it, appending to its log; returns its exit code, 200 if it stalled
+  local log="$OUT/$1.log" size=-1 still=0
+  ( cd "$WORK" && export -f checkpoint && export CKPT WORK OUT && \
+    CUDA_VISIBLE_DEVICES=$([ "$1" = tp2 ] && echo 0,1 || echo "$3") exec timeout -s ABRT -k 20 "$2" bash -c "$(stage_cmd "$1" "$2")" ) >>"$log" 2>&1 &
+  local pid=$!  # timeout's, the leader of the stage's process group
+  while [ "${STALL_S:-0}" -gt 0 ] && kill -0 "$pid" 2>/dev/null; do
+    sleep 5
+    local now; now=$(stat -c %s "$log" 2>/dev/null || echo 0)
+    if [ "$now" = "$size" ]; then still=$((still + 5)); else still=0; size=$now; fi
+    if [ "$still" -ge "$STALL_S" ]; then
+      echo "== $1 stalled: its log has not grown for ${still}s; SIGABRT to every process of the stage (Python stacks follow)" >>"$log"
+      kill -ABRT -- "-$pid" 2>/dev/null
+      for _ in $(seq 20); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 1; done  # the stacks written, or
+      kill -KILL -- "-$pid" 2>/dev/null; wait "$pid"; return 200
+    fi
+  done
+  wait "$pid"
+}
+
 run_lane() {  # lane index, stages
   local gpu=$1; shift
   for stage in "$@"; do
-    local left=$(( BUDGET - ($(date +%s) - START) ))
-    if [ "$left" -lt 30 ]; then echo "$stage skipped (no time left)" >>"$OUT/status"; continue; fi
-    local t0=$(date +%s)
-    ( cd "$WORK" && export -f checkpoint && export CKPT WORK OUT && \
-      CUDA_VISIBLE_DEVICES=$([ "$stage" = tp2 ] && echo 0,1 || echo "$gpu") timeout -k 10 "$left" bash -c "$(stage_cmd "$stage" "$left")" ) >"$OUT/$stage.log" 2>&1
-    echo "$stage rc=$? ${left}s-budget took $(( $(date +%s) - t0 ))s gpu=$gpu" >>"$OUT/status"
+    local tries=0 rc
+    while :; do
+      local left=$(( BUDGET - ($(date +%s) - START) ))
+      if [ "$left" -lt 30 ]; then echo "$stage skipped (no time left)" >>"$OUT/status"; break; fi
+      local t0=$(date +%s)
+      run_stage "$stage" "$left" "$gpu"; rc=$?
+      echo "$stage rc=$rc ${left}s-budget took $(( $(date +%s) - t0 ))s gpu=$gpu$([ $rc = 200 ] && echo ' (stalled)')" >>"$OUT/status"
+      tries=$((tries + 1))
+      # a stalled resumable stage runs once more, from its last checkpoint
+      [ "$rc" = 200 ] && [ "$tries" -lt 2 ] && [[ "$stage" == math_* ]] && [ "$(( BUDGET - ($(date +%s) - START) ))" -ge 150 ] || break
+    done
   done
 }
 
