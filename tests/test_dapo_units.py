@@ -119,6 +119,7 @@ def test_recipe_unknown_key_and_bad_values_name_the_field(tmp_path):
         ({"model": {"checkpoint": str(tmp_path / "none")}}, "model.checkpoint: .* has no config.json"),
         ({"dapo": {"enable": True}}, "unknown recipe key 'dapo.enable'"),
         ({"train": {"betas": [0.9]}}, r"train.betas: expected a list of 2 numbers"),
+        ({"warm_start": {"micro_batch_size": 0}}, "warm_start.micro_batch_size: must be >= 1, or null for train.micro_batch_size"),
     ):
         with pytest.raises(RecipeError, match=message):
             recipe_from_dict(bad)
@@ -407,7 +408,7 @@ def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
     from beam_rl.model.checkpoint import read_tensors, verify_checkpoint
 
     recipe = recipe_from_dict({"run": {"seed": 0, "total_steps": 1}, "model": {"preset": "beam-tiny", "init_seed": 0},
-                               "warm_start": {"steps": 6, "batch_size": 16, "lr": 1.0e-3}})
+                               "warm_start": {"steps": 6, "batch_size": 16, "lr": 1.0e-3, "micro_batch_size": 8}})
     out = tmp_path / "warm"
     done = write_warm_start(recipe, out, log=lambda *_: None)
     losses = done.losses

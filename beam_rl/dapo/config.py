@@ -105,6 +105,10 @@ class WarmStartConfig:
     eval_every: int = 50
     """Supervised steps between held-out evaluations when target_heldout_avg is set (a vLLM engine
     on the current weights, sampled as `beam-rl dapo` evaluates)."""
+    micro_batch_size: int | None = None
+    """Sequences per micro-batch of a supervised step (the gradient accumulated over them); null:
+    train.micro_batch_size. Supervised sequences are short, so a step's micro-batches are bound by
+    kernel launches rather than arithmetic: fewer, larger ones are faster where memory allows."""
 
 
 @dataclass
@@ -271,6 +275,8 @@ class Recipe:
 
         need(self.train.mode in TRAIN_MODES, "train.mode", f"choose one of {sorted(TRAIN_MODES)}")
         need(self.train.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+        need(self.warm_start.micro_batch_size is None or self.warm_start.micro_batch_size >= 1, "warm_start.micro_batch_size",
+             "must be >= 1, or null for train.micro_batch_size")
         need(self.train.attention in TRAINER_ATTENTIONS, "train.attention", f"choose one of {TRAINER_ATTENTIONS} ('flash' needs CUDA)")
         need(self.run.max_mean_abs_logprob_diff > 0, "run.max_mean_abs_logprob_diff", "must be > 0")
         need(self.model.checkpoint is None or (Path(self.model.checkpoint) / "config.json").exists(), "model.checkpoint",

@@ -51,7 +51,8 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
     the caller). With `evaluate` (policy -> avg@k) and `cfg.target_heldout_avg`, every
     `cfg.eval_every` steps and after the last one the policy is evaluated, and the warm start stops
     at the first evaluation that reaches the target. Each step's gradient is accumulated over
-    micro-batches of `micro_batch_size` sequences (the recipe's `train.micro_batch_size`).
+    micro-batches of `micro_batch_size` sequences (the recipe's `warm_start.micro_batch_size`, else
+    `train.micro_batch_size`).
     `progress` continues an earlier call (its sampler state included, so the problems drawn are the
     uninterrupted run's); the call returns unfinished after step `stop_after`, or when the slowest
     step so far (its evaluation included) would end past `stop_by` (a `time.monotonic()` time)."""
@@ -107,7 +108,8 @@ def initial_policy(recipe, config, task, tokenizer, log=print, evaluate=None, st
 def _timed_warm_start(policy, task, tokenizer, recipe, evaluate, log, progress, stop_after, stop_by) -> WarmStartProgress:
     t0, first = time.perf_counter(), progress.step if progress else 0
     progress = warm_start(policy, task, tokenizer, recipe.warm_start, seed=recipe.run.seed, evaluate=evaluate, log=log,
-                          micro_batch_size=recipe.train.micro_batch_size, progress=progress, stop_after=stop_after, stop_by=stop_by)
+                          micro_batch_size=recipe.warm_start.micro_batch_size or recipe.train.micro_batch_size,
+                          progress=progress, stop_after=stop_after, stop_by=stop_by)
     if progress.step > first:
         log(f"warm start: supervised steps {first + 1}-{progress.step}, loss {progress.losses[first]:.3f} -> "
             f"{progress.losses[-1]:.3f} ({time.perf_counter() - t0:.1f} s)")
