@@ -76,6 +76,11 @@ def distil_drafter(target, config, path, steps=40) -> str:
     return str(save_drafter(drafter, path))
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the host: the references these records are checked against run on the CPU."""
+    return t.detach().to("cpu", copy=True)
+
+
 def record(worker) -> bool:
     """On the worker: keep every draft step's inputs and outputs (the proposer's target rows, the
     draft model's block rows and hidden states, the walk's inputs and tokens)."""
@@ -85,18 +90,18 @@ def record(worker) -> bool:
     propose, forward, sample = drafter.propose, model.forward, model.sample_draft_tokens
 
     def on_propose(*args, **kwargs):
-        steps.append(dict(target_tokens=kwargs["target_token_ids"].clone(), target_positions=kwargs["target_positions"].clone(),
-                          target_hidden=kwargs["target_hidden_states"].clone()))
+        steps.append(dict(target_tokens=_host(kwargs["target_token_ids"]), target_positions=_host(kwargs["target_positions"]),
+                          target_hidden=_host(kwargs["target_hidden_states"])))
         return propose(*args, **kwargs)
 
     def on_forward(input_ids, positions, *args, **kwargs):
         out = forward(input_ids, positions, *args, **kwargs)
-        steps[-1].update(block_ids=input_ids.clone(), block_positions=positions.clone(), block_hidden=out.clone())
+        steps[-1].update(block_ids=_host(input_ids), block_positions=_host(positions), block_hidden=_host(out))
         return out
 
     def on_sample(hidden, anchors, temperature):
         tokens, probs = sample(hidden, anchors, temperature)
-        steps[-1].update(anchors=anchors.clone(), tokens=tokens.clone(), probs=None if probs is None else probs.clone())
+        steps[-1].update(anchors=_host(anchors), tokens=_host(tokens), probs=None if probs is None else _host(probs))
         return tokens, probs
 
     drafter.propose, model.forward, model.sample_draft_tokens = on_propose, on_forward, on_sample
@@ -112,9 +117,11 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
 
     def engine(async_scheduling=True, **spec):
         spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE, **spec)
-        # on a GPU beside the session's engine (half the memory): the rest of it, not another half
+        # on a GPU beside the session's engine (half the memory) and the drafter's generation engine
+        # (0.3, not released by the test process): a fixed 2 GiB KV cache and a 10% startup check
         return start_rollout_engine(EngineSettings(model=checkpoint, seed=0, max_model_len=512, max_num_seqs=16,
-                                                   async_scheduling=async_scheduling, gpu_memory_utilization=0.3,
+                                                   async_scheduling=async_scheduling, gpu_memory_utilization=0.1,
+                                                   gpu_kv_cache_gib=2,
                                                    engine_args={"speculative_config": spec, "disable_log_stats": False}))
 
     got = {}
