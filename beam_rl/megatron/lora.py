@@ -41,7 +41,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from beam_rl.megatron.fused import cuda_compiled
 from beam_rl.model.config import BeamConfig
 from beam_rl.model.names import LORA_MODULES, PEFT_CONFIG, PEFT_WEIGHTS, peft_key
 
@@ -113,16 +112,18 @@ def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """y = rnd(base + d): the FP32 sum of the two, rounded once to the base output's dtype."""
+    """y = rnd(base + d): the FP32 sum of the two, rounded once to the base output's dtype. Two
+    tensors of that dtype are simply added: PyTorch adds BF16 tensors in FP32 (its opmath type)
+    and rounds once, the same bits in one kernel and one autograd node (the adapted layers' extra
+    launches are what a LoRA step spends beyond the BF16 step)."""
+    if delta.dtype == out.dtype:
+        return out + delta
     return (out.float() + delta.float()).to(out.dtype)
-
-
-_add_rounded_fused = cuda_compiled(_add_rounded)  # one pass instead of three on CUDA
 
 
 def _lora_hook(module, inputs, output):
     out, bias = output
-    return _add_rounded_fused(out, module.lora.delta(inputs[0], out.dtype)), bias
+    return _add_rounded(out, module.lora.delta(inputs[0], out.dtype)), bias
 
 
 def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:
