@@ -161,6 +161,9 @@ for stages in "$@"; do
 done
 for p in "${pids[@]}"; do wait "$p"; done
 cp "$WORK/mini-h200/metrics.jsonl" "$OUT/dapo_metrics.jsonl" 2>/dev/null  # also after a timeout
+for r in "$WORK"/runs/math-*; do  # the math runs' metrics so far, also where a stage was ended
+  [ -f "$r/metrics.jsonl" ] && mkdir -p "$OUT/runs/${r##*/math-}" && cp "$r/metrics.jsonl" "$r/run.json" "$OUT/runs/${r##*/math-}/" 2>/dev/null
+done
 
 echo "== status =="; cat "$OUT/status"
 for f in "$OUT"/*.log; do echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n 25; done
