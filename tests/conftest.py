@@ -37,8 +37,11 @@ def tiny_engine(tiny_checkpoint):
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from beam_rl.engines import EngineSettings, start_rollout_engine
 
+    # on a GPU (the CUDA test modules): a fixed 2 GiB KV cache and a 10% startup check, so the tests
+    # can share the GPU with a campaign's other lane
     engine = start_rollout_engine(EngineSettings(model=str(tiny_checkpoint), seed=0, max_model_len=512, max_num_seqs=16,
-                                                 lora_rank=8, engine_args={"max_loras": 2}))
+                                                 lora_rank=8, engine_args={"max_loras": 2}, gpu_memory_utilization=0.1,
+                                                 gpu_kv_cache_gib=2))
     yield engine
     engine.shutdown()
 

@@ -117,8 +117,8 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
 
     def engine(async_scheduling=True, **spec):
         spec = dict(method="dflash", model=drafter, num_speculative_tokens=NUM_SPECULATIVE, **spec)
-        # on a GPU beside the session's engine (half the memory) and the drafter's generation engine
-        # (0.3, not released by the test process): a fixed 2 GiB KV cache and a 10% startup check
+        # on a GPU beside the test process's engine and whatever else runs there (27 of 140 GiB
+        # were free on the H200 with a 0.5 session engine): a fixed 2 GiB KV cache, a 10% startup check
         return start_rollout_engine(EngineSettings(model=checkpoint, seed=0, max_model_len=512, max_num_seqs=16,
                                                    async_scheduling=async_scheduling, gpu_memory_utilization=0.1,
                                                    gpu_kv_cache_gib=2,
