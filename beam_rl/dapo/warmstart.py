@@ -106,6 +106,11 @@ def initial_policy(recipe, config, task, tokenizer, log=print, evaluate=None, st
 
 
 def _timed_warm_start(policy, task, tokenizer, recipe, evaluate, log, progress, stop_after, stop_by) -> WarmStartProgress:
+    if getattr(evaluate, "start", None) is not None:
+        # The engine starts before the trainer's first (compiled) step, in the order `beam-rl dapo`
+        # starts the two: started after the trainer's compiles, its in-process Inductor compile once
+        # hung silently on the H200.
+        evaluate.start(policy)
     t0, first = time.perf_counter(), progress.step if progress else 0
     progress = warm_start(policy, task, tokenizer, recipe.warm_start, seed=recipe.run.seed, evaluate=evaluate, log=log,
                           micro_batch_size=recipe.warm_start.micro_batch_size or recipe.train.micro_batch_size,
@@ -239,22 +244,29 @@ def _resumed_policy(recipe, config, ckpt, state, log):
 
 def _evaluator(recipe, config, task, tok, root, engine):
     """(policy -> held-out avg@k, stop): the policy's weights synced (verified) into a rollout engine
-    each time, evaluated as `beam-rl dapo` evaluates (`heldout_avg`); the engine is started on the
-    first call unless one is given, and stopped by `stop` if started here."""
+    each time, evaluated as `beam-rl dapo` evaluates (`heldout_avg`); the engine (unless one is given)
+    is started by `evaluate.start(policy)` or else on the first call, and stopped by `stop` if
+    started here."""
     from beam_rl.dapo.loop import Job, _engine_dir, heldout_avg
     from beam_rl.engines import start_rollout_engine
     from beam_rl.engines.base import checksums_of
 
     held = {"engine": engine}
 
-    def evaluate(policy) -> float:
+    def start(policy) -> None:
         if held["engine"] is None:
             path, _ = _engine_dir(root, policy.export(merged=False, served=True), config)
             held["engine"] = start_rollout_engine(Job.engine_settings(recipe, path))
+
+    def evaluate(policy) -> float:
+        if held["engine"] is None:
+            start(policy)
         else:
             tensors = policy.export(merged=False, on_device=True, served=True)
             held["engine"].load_weights(tensors, checksums_of(tensors.items()))
         return heldout_avg(held["engine"], task, tok, recipe)
+
+    evaluate.start = start
 
     def stop() -> None:
         if engine is None and held["engine"] is not None:
