@@ -58,7 +58,8 @@
 #   math_wait      waits for math_warm's checkpoint (another lane's, SHARE_GPU=1: "math_warm math_bf16" "math_wait math_no-r3")
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
 #                  learning runs from that warm start, 50 steps, each call's part ended with a checkpoint
-#                  before its time runs out (90 s kept to write it) and resumed by the next call; metrics.jsonl and run.json in $OUT/runs/<mode>/, the input of
+#                  before its time runs out (MATH_KEEP_S s kept to write it, default 90; 0 in a machine's last
+#                  call, where a checkpoint would not outlive the machine) and resumed by the next call; metrics.jsonl and run.json in $OUT/runs/<mode>/, the input of
 #                  scripts/learning_report.py (with $OUT/warm_start.json)
 #   spec_test      tests/test_rollout_spec.py on vLLM 0.26 (beam-tiny, the DFlash2 drafter distilled in the test:
 #                  greedy and R3 equal without speculation, drafts equal the reference's, adaptive verification)
@@ -106,7 +107,7 @@ stage_cmd() {
     math_warm) w=$WORK/ckpt/math-mini-warm  # $2: the stage's seconds; 90 of them kept for writing a resumable checkpoint
       echo "[ -f $w/warm_start.json ] && exit 0; TORCH_LOGS=recompiles python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $w \$( [ -d $w/checkpoints ] && echo --resume || echo --overwrite ) --max-seconds $(( $2 - 90 )) && { [ ! -f $w/warm_start.json ] || cp $w/warm_start.json $OUT/; }" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
-      echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - 90 )); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; exit \$rc" ;;
+      echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; exit \$rc" ;;
     math_wait) echo "while [ ! -f $WORK/ckpt/math-mini-warm/warm_start.json ]; do sleep 5; done" ;;
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
