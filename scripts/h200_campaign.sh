@@ -108,7 +108,7 @@ stage_cmd() {
       echo "[ -f $w/warm_start.json ] && exit 0; TORCH_LOGS=recompiles python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $w \$( [ -d $w/checkpoints ] && echo --resume || echo --overwrite ) --max-seconds $(( $2 - 90 )) && { [ ! -f $w/warm_start.json ] || cp $w/warm_start.json $OUT/; }" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; exit \$rc" ;;
-    math_wait) echo "while [ ! -f $WORK/ckpt/math-mini-warm/warm_start.json ]; do sleep 5; done" ;;
+    math_wait) echo "i=0; while [ ! -f $WORK/ckpt/math-mini-warm/warm_start.json ]; do sleep 5; i=\$((i + 5)); [ \$((i % 60)) = 0 ] && echo \"waiting for the warm start: \${i}s\"; done; exit 0" ;;  # a line a minute: STALL_S reads a silent log as a hang
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
     drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
