@@ -8,7 +8,8 @@ prompts (`beam_rl.model.dflash2.block_loss`), so drafts are partly accepted and 
   other arithmetic; context from the reference target's hidden states, the sliding window shorter
   than the context) and the walked tokens equal `DFlash2Drafter.draft`;
 - the target hands the drafter its residual streams after `dflash_config.target_layer_ids`, equal
-  to the reference's `target_hidden_states` for every verified row;
+  to the reference's `target_hidden_states` for every verified row (on a GPU, whose fused target
+  rounds differently, within the draft step's bound);
 - greedy output with speculation equals greedy output without it, with drafts accepted and rejected;
 - R3 under speculation: the captured routing equals the non-speculative engine's, so no rejected
   draft token's routing is reported;
@@ -210,17 +211,41 @@ def _reference(tiny_model, drafter_path, speculative):
     return ids, hidden, load_drafter(drafter_path)
 
 
-def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_model, drafter_path):
-    ids, hidden, _ = _reference(tiny_model, drafter_path, speculative)
-    checked = 0
+# On a GPU the engine's target is the fused build (Triton kernels, FlashAttention) and rounds
+# differently from the reference; its rows are held to the draft step's bound, 2 BF16 ulps of the
+# row's largest value. On the CPU both compute alike and the rows are equal bit for bit.
+BIT_EXACT = not torch.cuda.is_available()
+
+
+def _within_bound(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+    diff = (got.float() - want.float()).abs().max().item()
+    return (torch.equal(got, want) if BIT_EXACT else diff <= 2**-6 * want.float().abs().max().item()), diff
+
+
+def _engine_target_rows(speculative, ids) -> dict[int, torch.Tensor]:
+    """position -> the target row the engine handed the drafter there (each step's verified rows: up
+    to its first rejected draft token)."""
+    rows = {}
     for step in speculative["steps"]:
-        # the verified rows of the step: up to its first rejected draft token
         for tok, pos, h in zip(step["target_tokens"], step["target_positions"], step["target_hidden"]):
             if pos >= len(ids) - 1 or tok != ids[pos]:
                 break
-            assert h.dtype == hidden.dtype and torch.equal(h, hidden[pos]), f"position {int(pos)}"
-            checked += 1
-    assert checked >= len(ids) - 1 - len(PROMPTS[-1])  # every verified position at least once
+            rows.setdefault(int(pos), []).append(h)
+    return rows
+
+
+def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_model, drafter_path):
+    ids, hidden, _ = _reference(tiny_model, drafter_path, speculative)
+    rows = _engine_target_rows(speculative, ids)
+    off = []
+    for pos, hs in sorted(rows.items()):
+        for h in hs:
+            ok, diff = _within_bound(h, hidden[pos])
+            assert h.dtype == hidden.dtype
+            if not ok:
+                off.append(f"{pos}: {diff:.3e} (row max {hidden[pos].float().abs().max().item():.3e})")
+    assert not off, f"target rows off the reference (position: max|diff|): {', '.join(off)}"
+    assert len(rows) >= len(ids) - 1 - len(PROMPTS[-1])  # every verified position at least once
 
 
 def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafter_path):
@@ -257,7 +282,19 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
             E = batched_edge_scores(drafter.candidate_selector, z[None], unary[None], cands[None], torch.tensor([anchor]))
             walked = batched_walk(E, cands[None])[0][0]
         diff = (got_h.float() - h.float()).abs().max().item()
-        assert diff <= 2**-6 * h.float().abs().max().item(), f"anchor position {a}: max|diff| {diff:.3e}"
+        if diff > 2**-6 * h.float().abs().max().item():
+            # which side is off: the reference drafter on the target rows the engine handed it
+            # (its context), row by row of the block
+            rows = _engine_target_rows(speculative, ids)
+            engine_ctx = "not recorded for every context position"
+            if all(p in rows for p in range(a)):
+                with torch.no_grad(), drafter.attention_numerics(speculative["attention"]):
+                    h_e, _ = drafter.propose(drafter.context(torch.stack([rows[p][0] for p in range(a)]), pos), pos,
+                                             anchor, a, NUM_SPECULATIVE, embed, head)
+                engine_ctx = f"{(got_h.float() - h_e.float()).abs().amax(-1).tolist()}"
+            pytest.fail(f"anchor position {a}: block hidden states off the reference drafter's by max|diff| "
+                        f"{diff:.3e}, per row {(got_h.float() - h.float()).abs().amax(-1).tolist()}; against the "
+                        f"reference drafter on the engine's own target rows, per row: {engine_ctx}")
         exact += diff == 0
         assert step["tokens"].tolist() == walked.tolist(), f"anchor position {a}: the walk over vLLM's hidden states"
         assert step["tokens"].tolist() == want.tokens.tolist(), f"anchor position {a}: the reference drafter's tokens"
