@@ -109,6 +109,16 @@ def record(worker) -> bool:
     return True
 
 
+def kv_layout(worker) -> str:
+    """On the worker: the block size the proposer computes the drafter's slots with, and each KV-cache
+    group's spec (block size, sliding window, layer count); for the report of a draft step gone wrong."""
+    runner = worker.model_runner
+    groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", [])
+    return (f"proposer block_size {getattr(runner.drafter, 'block_size', None)}, group {getattr(runner.drafter, 'kv_cache_gid', None)}; groups: "
+            + "; ".join(f"{type(g.kv_cache_spec).__name__}(block_size={getattr(g.kv_cache_spec, 'block_size', None)}, "
+                        f"sliding_window={getattr(g.kv_cache_spec, 'sliding_window', None)}, {len(g.layer_names)} layers)" for g in groups))
+
+
 def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
     """The child process: a speculative engine's greedy tokens and routing of PROMPTS with its
     spec-decode counters and every draft step of one more greedy request of PROMPTS[-1]; then a
@@ -135,6 +145,7 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
     assert llm.collective_rpc(record) == [True]
     one, _ = greedy(llm, prompts=PROMPTS[-1:], max_tokens=16)
     steps = llm.collective_rpc(lambda w: list(w.beam_test_steps))[0]  # a copy: the engine runs on
+    got["kv_layout"] = llm.collective_rpc(kv_layout)[0]
     got.update(steps_tokens=list(one[0].outputs[0].token_ids), steps=steps)
     e.shutdown()
     e = engine(draft_sample_method="probabilistic", async_scheduling=False)
@@ -294,7 +305,8 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
                 engine_ctx = f"{(got_h.float() - h_e.float()).abs().amax(-1).tolist()}"
             pytest.fail(f"anchor position {a}: block hidden states off the reference drafter's by max|diff| "
                         f"{diff:.3e}, per row {(got_h.float() - h.float()).abs().amax(-1).tolist()}; against the "
-                        f"reference drafter on the engine's own target rows, per row: {engine_ctx}")
+                        f"reference drafter on the engine's own target rows, per row: {engine_ctx}; KV layout: "
+                        f"{speculative['kv_layout']}")
         exact += diff == 0
         assert step["tokens"].tolist() == walked.tolist(), f"anchor position {a}: the walk over vLLM's hidden states"
         assert step["tokens"].tolist() == want.tokens.tolist(), f"anchor position {a}: the reference drafter's tokens"
