@@ -54,7 +54,7 @@
 #                  (the SkyRL stages need the SkyRL kits installed and run after `warm`)
 #   (the math stages grade with math-verify: install the kit of scripts/gpu_kit_math.txt with the gpu-kit)
 #   math_warm      beam-rl warm-start --recipe recipes/math/warm-mini-h200.yaml -> $WORK/ckpt/math-mini-warm (recompiles logged); stopped
-#                  with a resumable checkpoint before the call's time runs out, resumed by the next call's math_warm
+#                  with a resumable checkpoint before the call's time runs out (MATH_KEEP_S, as below), resumed by the next call's math_warm
 #   math_wait      waits for math_warm's checkpoint (another lane's, SHARE_GPU=1: "math_warm math_bf16" "math_wait math_no-r3")
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
 #                  learning runs from that warm start, 50 steps, each call's part ended with a checkpoint
@@ -104,8 +104,8 @@ stage_cmd() {
     tp2) echo "checkpoint; python3 $REPO/scripts/gpu_rollout_check.py --preset beam-mini --out $WORK --prompts 8 --max-tokens 128 --free-running-tokens 32 --tensor-parallel 2 --json $OUT/rollout_check_tp2.json" ;;
     warm) echo "python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/mini-h200.yaml --out $WORK/mini-warm --overwrite && python3 -m beam_rl.skyrl.data --recipe $REPO/recipes/mini-h200.yaml --out $WORK/skyrl-data --tokenizer-into $WORK/mini-warm" ;;
     skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports ${SKYRL_ARGS:-}; rc=\$?; ray stop --force >/dev/null 2>&1; exit \$rc" ;;
-    math_warm) w=$WORK/ckpt/math-mini-warm  # $2: the stage's seconds; 90 of them kept for writing a resumable checkpoint
-      echo "[ -f $w/warm_start.json ] && exit 0; TORCH_LOGS=recompiles python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $w \$( [ -d $w/checkpoints ] && echo --resume || echo --overwrite ) --max-seconds $(( $2 - 90 )) && { [ ! -f $w/warm_start.json ] || cp $w/warm_start.json $OUT/; }" ;;
+    math_warm) w=$WORK/ckpt/math-mini-warm  # $2: the stage's seconds; MATH_KEEP_S of them kept for writing a resumable checkpoint
+      echo "[ -f $w/warm_start.json ] && exit 0; TORCH_LOGS=recompiles python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $w \$( [ -d $w/checkpoints ] && echo --resume || echo --overwrite ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )) && { [ ! -f $w/warm_start.json ] || cp $w/warm_start.json $OUT/; }" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; exit \$rc" ;;
     math_wait) echo "i=0; while [ ! -f $WORK/ckpt/math-mini-warm/warm_start.json ]; do sleep 5; i=\$((i + 5)); [ \$((i % 60)) = 0 ] && echo \"waiting for the warm start: \${i}s\"; done; exit 0" ;;  # a line a minute: STALL_S reads a silent log as a hang

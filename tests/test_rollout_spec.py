@@ -223,17 +223,22 @@ def _reference(tiny_model, drafter_path, speculative):
 
 
 # On a GPU the engine's target is the fused build (Triton kernels, FlashAttention) and rounds
-# differently from the reference; its rows are held to the draft step's bound, 2 BF16 ulps of the
-# row's largest value. On the CPU both compute alike and the rows are equal bit for bit.
+# differently from the reference; its rows are held to the draft step's bound. On the CPU both
+# compute alike and the rows are equal bit for bit.
 BIT_EXACT = not torch.cuda.is_available()
+
+
+def _two_ulps(want: torch.Tensor) -> float:
+    """The draft step's bound on max|got - want|: 2 BF16 ulps of `want`'s largest value."""
+    return 2**-6 * want.float().abs().max().item()
 
 
 def _within_bound(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
     diff = (got.float() - want.float()).abs().max().item()
-    return (torch.equal(got, want) if BIT_EXACT else diff <= 2**-6 * want.float().abs().max().item()), diff
+    return (torch.equal(got, want) if BIT_EXACT else diff <= _two_ulps(want)), diff
 
 
-def _engine_target_rows(speculative, ids) -> dict[int, torch.Tensor]:
+def _engine_target_rows(speculative, ids) -> dict[int, list[torch.Tensor]]:
     """position -> the target row the engine handed the drafter there (each step's verified rows: up
     to its first rejected draft token)."""
     rows = {}
@@ -293,7 +298,7 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
             E = batched_edge_scores(drafter.candidate_selector, z[None], unary[None], cands[None], torch.tensor([anchor]))
             walked = batched_walk(E, cands[None])[0][0]
         diff = (got_h.float() - h.float()).abs().max().item()
-        if diff > 2**-6 * h.float().abs().max().item():
+        if diff > _two_ulps(h):
             # which side is off: the reference drafter on the target rows the engine handed it
             # (its context), row by row of the block
             rows = _engine_target_rows(speculative, ids)
