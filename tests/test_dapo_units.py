@@ -166,6 +166,11 @@ def test_recipe_base_chain(tmp_path):
     assert (warm.task.name, warm.model.preset, warm.model.checkpoint) == ("math", "beam-mini", None)
     with pytest.raises(RecipeError, match="model.checkpoint: ckpt/math-mini-warm has no config.json"):
         load_recipe("recipes/math/no-r3.yaml")  # the runs start from the warm start's checkpoint: write it first
+    # the math suite's CPU rehearsal: beam-tiny on level 1, its runs from its own warm start
+    rehearsal = load_recipe("recipes/math/tiny-cpu/warm.yaml")
+    assert (rehearsal.model.preset, rehearsal.task.levels, rehearsal.train.lr) == ("beam-tiny", "1", warm.train.lr)
+    with pytest.raises(RecipeError, match="model.checkpoint: ckpt/math-tiny-cpu-warm has no config.json"):
+        load_recipe("recipes/math/tiny-cpu/bf16-lr5e-5.yaml")
     # the CPU set of four: the main job in each mode, from the same seeded warm start
     tiny = {m: load_recipe(f"recipes/tiny-cpu/{m}.yaml") for m in ("bf16", "lora", "mxfp8", "no-r3")}
     assert {m: (r.train.mode, r.train.routing_replay) for m, r in tiny.items()} == {
