@@ -97,7 +97,8 @@ def record(worker) -> bool:
 
     def on_forward(input_ids, positions, *args, **kwargs):
         out = forward(input_ids, positions, *args, **kwargs)
-        steps[-1].update(block_ids=_host(input_ids), block_positions=_host(positions), block_hidden=_host(out))
+        steps[-1].update(block_ids=_host(input_ids), block_positions=_host(positions), block_hidden=_host(out),
+                         draft_attention=_draft_attention_metadata(model))
         return out
 
     def on_sample(hidden, anchors, temperature):
@@ -109,14 +110,37 @@ def record(worker) -> bool:
     return True
 
 
+def _draft_attention_metadata(model) -> str:
+    """The attention metadata the first draft layer runs with in this draft step (window, causality,
+    sequence lengths), for the report of a draft step gone wrong."""
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    metadata = metadata[0] if isinstance(metadata, list) else metadata
+    name = model.get_draft_kv_cache_layer_names()[0]
+    md = (metadata or {}).get(name)
+    fields = ("sliding_window", "causal", "seq_lens", "max_seq_len", "max_query_len", "query_start_loc")
+    return f"{type(md).__name__}(" + ", ".join(f"{f}={_short(getattr(md, f, None))}" for f in fields) + ")"
+
+
+def _short(value) -> str:
+    return str(value.tolist() if isinstance(value, torch.Tensor) else value)
+
+
 def kv_layout(worker) -> str:
     """On the worker: the block size the proposer computes the drafter's slots with, and each KV-cache
     group's spec (block size, sliding window, layer count); for the report of a draft step gone wrong."""
     runner = worker.model_runner
     groups = getattr(getattr(runner, "kv_cache_config", None), "kv_cache_groups", [])
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    layers = get_layers_from_vllm_config(runner.vllm_config, Attention)
     return (f"proposer block_size {getattr(runner.drafter, 'block_size', None)}, group {getattr(runner.drafter, 'kv_cache_gid', None)}; groups: "
             + "; ".join(f"{type(g.kv_cache_spec).__name__}(block_size={getattr(g.kv_cache_spec, 'block_size', None)}, "
-                        f"sliding_window={getattr(g.kv_cache_spec, 'sliding_window', None)}, {len(g.layer_names)} layers)" for g in groups))
+                        f"sliding_window={getattr(g.kv_cache_spec, 'sliding_window', None)}, {len(g.layer_names)} layers)" for g in groups)
+            + "; layers (backend, window): "
+            + ", ".join(f"{n.split('.layers.')[-1]}: {type(a.impl).__name__} {getattr(a.impl, 'sliding_window', None)}" for n, a in layers.items()))
 
 
 def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
@@ -311,7 +335,7 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
             pytest.fail(f"anchor position {a}: block hidden states off the reference drafter's by max|diff| "
                         f"{diff:.3e}, per row {(got_h.float() - h.float()).abs().amax(-1).tolist()}; against the "
                         f"reference drafter on the engine's own target rows, per row: {engine_ctx}; KV layout: "
-                        f"{speculative['kv_layout']}")
+                        f"{speculative['kv_layout']}; the draft layers' attention metadata: {step.get('draft_attention')}")
         exact += diff == 0
         assert step["tokens"].tolist() == walked.tolist(), f"anchor position {a}: the walk over vLLM's hidden states"
         assert step["tokens"].tolist() == want.tokens.tolist(), f"anchor position {a}: the reference drafter's tokens"
