@@ -3,7 +3,8 @@ with a per-layer sliding window, sigmoid output gate, output projection.
 
 Numerics: q/k norm, RoPE/SSMax and the output gate follow `beam_rl.model.numerics` exactly (through
 the fused kernels on CUDA); the attention itself is vLLM's backend (FP32-accumulating flash
-attention), a documented difference from the FP64 reference.
+attention), a documented difference from the FP64 reference. Serving an MXFP8 trainer, the
+projections' inputs are quantised as its linears quantise them (`beam_rl.rollout.linear`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, QKVParallelL
 
 from beam_rl.model.config import BeamConfig
 from beam_rl.rollout import ops
-from beam_rl.rollout.linear import lora_enabled, reduce_in_fp32, round_like
+from beam_rl.rollout.linear import linear_precision, lora_enabled, mxfp8_inputs, reduce_in_fp32, round_like
 
 
 class BeamAttention(nn.Module):
@@ -34,6 +35,7 @@ class BeamAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.eps = config.rms_norm_eps
         self.is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.mxfp8 = linear_precision(config) == "mxfp8"
 
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
@@ -66,8 +68,9 @@ class BeamAttention(nn.Module):
         param.data.copy_(loaded[rank * self.num_heads : (rank + 1) * self.num_heads])
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        qkv, _ = self.qkv_proj(x)
-        gate, _ = self.gate_proj(x)
+        x_in = mxfp8_inputs(x, self.mxfp8)
+        qkv, _ = self.qkv_proj(x_in)
+        gate, _ = self.gate_proj(x_in)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         T = x.shape[0]
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -79,5 +82,5 @@ class BeamAttention(nn.Module):
         gated = ops.output_gate(
             attn.view(T, self.num_heads, self.head_dim), gate.view(T, self.num_heads, self.head_dim), self.gate_bias
         )
-        out, _ = self.o_proj(gated.reshape(T, self.q_size))
+        out, _ = self.o_proj(mxfp8_inputs(gated.reshape(T, self.q_size), self.mxfp8))
         return round_like(out, x)

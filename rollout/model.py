@@ -29,6 +29,7 @@ from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
 from beam_rl.rollout import compat
 from beam_rl.rollout.compat import parameter_names
+from beam_rl.rollout.linear import LINEAR_PRECISION_KEY, linear_precision
 from beam_rl.rollout.moe import BeamDenseMLP, BeamMoE
 
 # HF checkpoint name -> (vLLM parameter, shard) for the stacked projections; experts are loaded by
@@ -167,6 +168,7 @@ class BeamForCausalLM(nn.Module, SupportsLoRA, SupportsEagle3):
             # Part of vLLM's torch.compile cache key: the graphs of the fused and the plain-PyTorch builds
             # differ, and without this a BEAM_RL_FUSED_KERNELS=0 engine would load the fused build's cache.
             vllm_config.additional_config["beam_rl_fused_kernels"] = ops.use_fused_kernels()
+            vllm_config.additional_config[LINEAR_PRECISION_KEY] = linear_precision(config)  # the MXFP8 build's graphs differ too
         else:
             warnings.warn("additional_config is not a dict, so beam-rl cannot add BEAM_RL_FUSED_KERNELS to vLLM's "
                           "torch.compile cache key: set VLLM_DISABLE_COMPILE_CACHE=1 (or a VLLM_CACHE_ROOT per "

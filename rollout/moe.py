@@ -6,12 +6,12 @@ Routing is computed by `beam_rl.model.routing` (the reference; identical ids by 
   takes our routing as a custom routing function; vLLM's router base class publishes the ids to
   its routed-experts capturer (R3) exactly as for its own models. Its expert GEMMs and weighted
   combine round differently from the reference (a documented source of difference).
-- On CPU the experts are `CPUExperts`: the reference's arithmetic (BF16 GEMMs per expert, FP32
+- On CPU the experts are `ReferenceExperts`: the reference's arithmetic (BF16 GEMMs per expert, FP32
   SwiGLU, FP32 combine), bit-identical to `beam_rl.model.modeling`. vLLM's CPU fused-MoE kernel rounds
   differently and pre-packs its weights only at first load, which breaks in-place weight reload.
   With `enable_expert_parallel=True` each rank holds only its contiguous slice of the experts
   (FusedMoE's linear placement) and the FP32 partial combines are all-reduced before the one
-  rounding (see `CPUExperts`).
+  rounding (see `ReferenceExperts`). A GPU engine serving an MXFP8 trainer uses them too.
 `RoutingRecorder` captures ids for runners without vLLM's capturer (vLLM's CPU runner).
 """
 
@@ -28,7 +28,7 @@ from beam_rl.model.config import BeamConfig
 from beam_rl.rollout import ops
 from beam_rl.rollout.capture import RoutingRecorder
 from beam_rl.rollout.compat import make_fused_moe
-from beam_rl.rollout.linear import lora_enabled, reduce_in_fp32, round_like
+from beam_rl.rollout.linear import linear_precision, lora_enabled, mxfp8_inputs, reduce_in_fp32, round_like
 
 
 def expert_parallel_layout() -> tuple[int, int]:
@@ -51,8 +51,8 @@ def expert_parallel_layout() -> tuple[int, int]:
     return dp * pcp * tp, dp_rank * pcp * tp + pcp_rank * tp + tp_rank
 
 
-def _check_cpu_expert_parallel(ep_rank: int) -> None:
-    """What `CPUExperts` supports with EP: TP x EP only (every rank sees the same tokens, so an
+def _check_reference_expert_parallel(ep_rank: int) -> None:
+    """What `ReferenceExperts` supports with EP: TP x EP only (every rank sees the same tokens, so an
     all-reduce of the partial sums suffices; DP / PCP would need FusedMoE's token dispatch), linear
     placement, no EPLB."""
     from vllm.config import get_current_vllm_config
@@ -84,10 +84,11 @@ class BeamDenseMLP(nn.Module):
             quant_config=quant_config, prefix=f"{prefix}.down_proj",
         )
         reduce_in_fp32(self.down_proj, lora_enabled=lora_enabled())
+        self.mxfp8 = linear_precision(config) == "mxfp8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, _ = self.gate_up_proj(x)
-        out, _ = self.down_proj(ops.silu_and_mul(gate_up))
+        gate_up, _ = self.gate_up_proj(mxfp8_inputs(x, self.mxfp8))
+        out, _ = self.down_proj(mxfp8_inputs(ops.silu_and_mul(gate_up), self.mxfp8))
         return round_like(out, x)
 
 
@@ -102,35 +103,43 @@ class BeamRouterGate(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False)
 
 
-class CPUExperts(nn.Module):
+class ReferenceExperts(nn.Module):
     """Routed experts computed like the reference: w13 [E_local, 2F, hidden] (gate rows, then up
     rows), w2 [E_local, hidden, F], loaded from the released per-expert names. Loading goes through
     each parameter's `weight_loader`, so vLLM's in-place `reload_weights` can track and replay it.
+
+    The experts of vLLM's CPU runner, and of a GPU engine serving an MXFP8 trainer (FusedMoE's
+    Triton kernels cannot quantise the SwiGLU output between their two GEMMs); the per-expert loop
+    reads its expert ids on the host, so such a GPU engine runs eager (`EngineSettings.linear_precision`).
 
     Numerics: each expert's GEMMs in the model dtype (BF16 outputs, FP32 SwiGLU), then
     sum_k weight[t, k] * expert_out[t, k] with FP32 products and FP32 sums, rounded once to the
     model dtype (`numerics.moe_combine`).
     - Without expert parallelism (`ep_size == 1`) every rank holds all E experts and computes
-      exactly the reference's arithmetic (`beam_rl::cpu_experts`): bit-identical to
+      exactly the reference's arithmetic (`beam_rl::reference_experts`): bit-identical to
       `beam_rl.model.modeling`, as before.
     - With `enable_expert_parallel=True` (TP x EP; see `expert_parallel_layout`) rank r holds the
       contiguous experts [r * E / ep_size, (r + 1) * E / ep_size) (FusedMoE's linear placement;
       any remainder goes to the first ranks), the weight loader skips the others, and forward
       computes the FP32 weighted sum of its local experts' outputs for every token
-      (`beam_rl::cpu_experts_partial`; 0 where a token's experts are elsewhere), all-reduces it in
+      (`beam_rl::reference_experts_partial`; 0 where a token's experts are elsewhere), all-reduces it in
       FP32 over the EP group and rounds once. The per-expert outputs and products are the
       reference's; only the FP32 sum over k is reassociated (local partial sums, then the sum
       across ranks), a last-bit FP32 difference before the single rounding.
+    - Serving an MXFP8 trainer (`linear_precision(config) == "mxfp8"`), both GEMMs' inputs (the
+      token's hidden state, the SwiGLU output) are quantised as the trainer's expert linears
+      quantise them (`beam_rl.model.mxfp8`).
     """
 
     def __init__(self, config: BeamConfig):
         super().__init__()
+        self.mxfp8 = linear_precision(config) == "mxfp8"
         E, F_, H = config.num_experts, config.moe_intermediate_size, config.hidden_size
         self.ffn = F_
         self.num_experts = E
         self.ep_size, self.ep_rank = expert_parallel_layout()
         if self.ep_size > 1:
-            _check_cpu_expert_parallel(self.ep_rank)
+            _check_reference_expert_parallel(self.ep_rank)
             if self.ep_size > E:
                 raise ValueError(f"expert parallel size {self.ep_size} exceeds the {E} experts")
         base, rem = divmod(E, self.ep_size)
@@ -166,18 +175,20 @@ class CPUExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
-            return _cpu_experts(x, self.w13_weight, self.w2_weight, weights, ids)
+            return _reference_experts(x, self.w13_weight, self.w2_weight, weights, ids, self.mxfp8)
         from vllm.distributed import get_ep_group
 
-        partial = _cpu_experts_partial(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert)
+        partial = _reference_experts_partial(x, self.w13_weight, self.w2_weight, weights, ids, self.first_expert, self.mxfp8)
         return get_ep_group().all_reduce(partial).to(x.dtype)
 
 
-def _expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, first: int) -> torch.Tensor:
+def _expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, first: int,
+                    mxfp8: bool) -> torch.Tensor:
     """(T, top_k, hidden) outputs of the experts in [first, first + w13.shape[0]) in x's dtype, 0
-    in the slots routed elsewhere: the reference's per-expert loop."""
+    in the slots routed elsewhere: the reference's per-expert loop (MXFP8 inputs when `mxfp8`)."""
     ffn = w2.shape[2]
     expert_out = x.new_zeros(x.shape[0], ids.shape[1], x.shape[1])  # (T, top_k, hidden)
+    x = mxfp8_inputs(x, mxfp8)  # per token along hidden: the same blocks whichever expert reads it
     for e in ids.unique().tolist():
         local = e - first
         if not 0 <= local < w13.shape[0]:
@@ -186,32 +197,33 @@ def _expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
         xe = x[token]
         gate = F.linear(xe, w13[local, :ffn])
         up = F.linear(xe, w13[local, ffn:])
-        expert_out[token, slot] = F.linear(numerics.silu_and_mul(gate, up), w2[local])
+        expert_out[token, slot] = F.linear(mxfp8_inputs(numerics.silu_and_mul(gate, up), mxfp8), w2[local])
     return expert_out
 
 
-@torch.library.custom_op("beam_rl::cpu_experts", mutates_args=())
-def _cpu_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("beam_rl::reference_experts", mutates_args=())
+def _reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       mxfp8: bool) -> torch.Tensor:
     """The reference's expert loop and combine (a custom op: its data-dependent loop stays out of
     torch.compile)."""
-    return numerics.moe_combine(_expert_outputs(x, w13, w2, ids, 0), weights)
+    return numerics.moe_combine(_expert_outputs(x, w13, w2, ids, 0, mxfp8), weights)
 
 
-@_cpu_experts.register_fake
-def _(x, w13, w2, weights, ids):
+@_reference_experts.register_fake
+def _(x, w13, w2, weights, ids, mxfp8):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("beam_rl::cpu_experts_partial", mutates_args=())
-def _cpu_experts_partial(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                         ids: torch.Tensor, first_expert: int) -> torch.Tensor:
+@torch.library.custom_op("beam_rl::reference_experts_partial", mutates_args=())
+def _reference_experts_partial(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                               ids: torch.Tensor, first_expert: int, mxfp8: bool) -> torch.Tensor:
     """This EP rank's share of the combine, NOT rounded: `numerics.moe_combine_fp32` over the local
     experts (non-local slots are 0 and add exactly nothing)."""
-    return numerics.moe_combine_fp32(_expert_outputs(x, w13, w2, ids, first_expert), weights)
+    return numerics.moe_combine_fp32(_expert_outputs(x, w13, w2, ids, first_expert, mxfp8), weights)
 
 
-@_cpu_experts_partial.register_fake
-def _(x, w13, w2, weights, ids, first_expert):
+@_reference_experts_partial.register_fake
+def _(x, w13, w2, weights, ids, first_expert, mxfp8):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
@@ -223,7 +235,9 @@ class BeamMoE(nn.Module):
         self.layer_idx = layer_idx
         self.recorder = recorder
         self.gate = BeamRouterGate(config)
-        self.use_fused_moe = not current_platform.is_cpu()
+        # FusedMoE cannot quantise between its two GEMMs: an MXFP8-serving engine computes the experts
+        # as the reference does, on the GPU too
+        self.use_fused_moe = not current_platform.is_cpu() and linear_precision(config) == "bf16"
         if self.use_fused_moe:
             self.experts = make_fused_moe(
                 num_experts=config.num_experts,
@@ -237,7 +251,7 @@ class BeamMoE(nn.Module):
                 prefix=f"{prefix}.experts",
             )
         else:
-            self.experts = CPUExperts(config)
+            self.experts = ReferenceExperts(config)
 
     def _route(self, hidden_states, gating_output=None, topk=None, renormalize=None):
         """vLLM's custom-routing hook: (FP32 weights incl. routed scaling, int32 expert ids).

@@ -299,11 +299,11 @@ class BeamWorkerExtension:
         return dict(self.vllm_config.additional_config)
 
     def beam_expert_layout(self) -> dict[int, tuple[int, int, int, int, str, str]]:
-        """Per MoE layer of this rank's CPU experts: (ep_rank, ep_size, first expert, number of local
+        """Per MoE layer of this rank's reference experts (CPU; MXFP8 serving): (ep_rank, ep_size, first expert, number of local
         experts, checksum of w13, checksum of w2), for checking expert-parallel placement and loading."""
-        from beam_rl.rollout.moe import CPUExperts
+        from beam_rl.rollout.moe import ReferenceExperts
         from beam_rl.model.weights import tensor_checksum
 
         return {int(name.split(".")[2]): (m.ep_rank, m.ep_size, m.first_expert, m.num_local_experts,
                                           tensor_checksum(m.w13_weight), tensor_checksum(m.w2_weight))
-                for name, m in self._beam_model().named_modules() if isinstance(m, CPUExperts)}
+                for name, m in self._beam_model().named_modules() if isinstance(m, ReferenceExperts)}

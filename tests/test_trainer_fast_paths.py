@@ -185,7 +185,7 @@ def test_flash_refuses_rounding_toward_zero():
 
 
 def test_mxfp8_exponent_is_ceil_log2_exactly():
-    from beam_rl.megatron.mxfp8 import E4M3_MAX, _scale_exponent
+    from beam_rl.model.mxfp8 import E4M3_MAX, _scale_exponent
 
     gen = torch.Generator().manual_seed(0)
     amax = torch.rand(10000, generator=gen) * torch.logspace(-20, 20, 10000)

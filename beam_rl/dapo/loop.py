@@ -28,8 +28,8 @@ from beam_rl.dapo.metrics import MetricsWriter, torch_compile_seconds
 from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
 from beam_rl.dapo.sampling import DynamicSampler
 from beam_rl.dapo.warmstart import initial_policy
-from beam_rl.engines import EngineSettings, RolloutEngine, Sampling, build_trainer, start_rollout_engine
-from beam_rl.engines.base import checksums_of
+from beam_rl.engines import TRAIN_MODES, EngineSettings, RolloutEngine, Sampling, build_trainer, start_rollout_engine
+from beam_rl.engines.base import check_engine_serves, checksums_of
 from beam_rl.model.checkpoint import SINGLE_NAME, atomic_directory, read_tensors
 from beam_rl.model.presets import get_preset
 from beam_rl.r3 import RolloutBatch, RolloutSample
@@ -151,6 +151,7 @@ class Job:
         if engine is None:
             self.engine = start_rollout_engine(self.engine_settings(recipe, model_dir, self.run_dir if self.engine_log else None))
         else:
+            check_engine_serves(engine, recipe.train.mode)
             self.engine = engine
             self.engine.update_weights(model_dir, sent)
         self.policy.set_attention_numerics(self.engine.attention_numerics)  # the trainer defines attention as this engine computes it
@@ -167,7 +168,7 @@ class Job:
             max_num_seqs=ro.max_num_seqs, enforce_eager=ro.enforce_eager, kv_cache_gib=ro.kv_cache_gib,
             lora_rank=recipe.train.lora.r if recipe.train.serves_adapter else None,
             gpu_memory_utilization=ro.gpu_memory_utilization, gpu_kv_cache_gib=ro.gpu_kv_cache_gib, sleep_mode=ro.sleep_between_phases,
-            processed_logprobs=ro.temperature != 1.0,
+            processed_logprobs=ro.temperature != 1.0, linear_precision=TRAIN_MODES[recipe.train.mode].precision,
             log_file=str(Path(run_dir) / "engine.log") if run_dir is not None else None)
 
     # -- construction / resume -------------------------------------------------------------------

@@ -20,9 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from beam_rl.errors import InputError
 from beam_rl.model.config import BeamConfig
 from beam_rl.model.numerics import AttentionNumerics
 from beam_rl.r3 import RolloutBatch, TrainerBatch
+
+
+LINEAR_PRECISIONS = ("bf16", "mxfp8")
+"""`EngineSettings.linear_precision`'s values: `TrainMode.precision`'s."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,14 @@ class EngineSettings:
     applies in attention, but sliding layers keep full-length KV). None: hybrid only where it saves
     most of the sliding layers' KV, `max_model_len` over 4 windows; never with a draft model
     (`speculative_config`: vLLM needs the drafter's layers in one group, `engines.vllm.check_draft_window`)."""
+    linear_precision: str = "bf16"
+    """What the served linears compute with: "bf16" (the weights as loaded, activations as they
+    come) or "mxfp8", the rollout of an MXFP8 trainer (`TrainMode.precision`): every linear the
+    trainer quantises gets its input quantised the same way (`beam_rl.model.mxfp8`), on the
+    trainer's quantised weights (`TrainerBackend.export(served=True)`), so the trainer-rollout gap is
+    what accumulation order adds. On a GPU the MXFP8 experts run the reference's per-expert loop,
+    which reads expert ids on the host: it needs `enforce_eager=True`. A vLLM server started by hand
+    takes it as `--hf-overrides '{"beam_linear_precision": "mxfp8"}'`."""
     adaptive_verification: bool = False
     """Speculative engines (`engine_args["speculative_config"]` with beam-rl's DFlash2 drafter): verify
     per step only the draft tokens worth their cost (`beam_rl.rollout.adaptive.AdaptiveVerifier`: the
@@ -94,6 +107,8 @@ class EngineSettings:
             raise ValueError(f"EngineSettings.gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpu_kv_cache_gib is not None and self.gpu_kv_cache_gib <= 0:
             raise ValueError(f"EngineSettings.gpu_kv_cache_gib must be > 0 GiB or None, got {self.gpu_kv_cache_gib}")
+        if self.linear_precision not in LINEAR_PRECISIONS:
+            raise ValueError(f"EngineSettings.linear_precision={self.linear_precision!r}: use one of {LINEAR_PRECISIONS}")
         if self.adaptive_verification and not (self.engine_args.get("speculative_config") or {}).get("model"):
             raise ValueError("EngineSettings.adaptive_verification needs a drafter: engine_args['speculative_config'] "
                              "with method 'dflash' and the DFlash2 drafter's directory as 'model'")
@@ -137,6 +152,8 @@ class RolloutEngine(ABC):
     """A running rollout engine on one Beam checkpoint."""
 
     config: BeamConfig
+    linear_precision: str
+    """What the engine's linears compute with (`EngineSettings.linear_precision`)."""
     attention_numerics: AttentionNumerics
     """How the engine's attention rounds (probabilities before P.V, the output to BF16:
     `beam_rl.model.numerics.AttentionNumerics`), asked of the running engine; a trainer defines
@@ -200,6 +217,17 @@ TRAIN_MODES: dict[str, TrainMode] = {
     "lora": TrainMode("bf16", lora=True),
     "mxfp8": TrainMode("mxfp8", lora=False),
 }
+
+
+def check_engine_serves(engine: RolloutEngine, mode: str) -> None:
+    """A caller's rollout engine must compute as the trainer of `mode` does (its linears' precision):
+    an MXFP8 trainer's rollout quantises activations as the trainer does, or its gap is the
+    quantisation's own."""
+    want = TRAIN_MODES[mode].precision
+    if engine.linear_precision != want:
+        raise InputError(f"train mode {mode!r} needs a rollout engine whose linears compute in {want!r}; this engine's "
+                         f"linear_precision is {engine.linear_precision!r}: start it with EngineSettings(linear_precision={want!r})")
+
 
 TRAINER_ATTENTIONS = ("auto", "engine", "flash")
 """A trainer's attention: "engine" (defined as the rollout engine reports computing it), "flash"

@@ -42,6 +42,7 @@ WORKER_EXTENSION = "beam_rl.rollout.worker.BeamWorkerExtension"
 class VLLMEngine(RolloutEngine):
     def __init__(self, settings: EngineSettings):
         self.settings = settings
+        self.linear_precision = settings.linear_precision
         self.config = load_config(settings.model)
         self.llm = start_llm(settings)
         if settings.capture_routing:
@@ -202,6 +203,12 @@ def llm_kwargs(s: EngineSettings, cuda: bool) -> dict:
     if s.lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=1)
     kwargs["async_scheduling"] = s.async_scheduling
+    if s.linear_precision != "bf16":
+        if cuda and not s.enforce_eager:
+            raise ValueError(f"EngineSettings.linear_precision={s.linear_precision!r} on a GPU computes the experts in the reference's "
+                             "per-expert loop, which reads expert ids on the host and cannot be captured in CUDA graphs: set "
+                             "enforce_eager=True (recipes: rollout.enforce_eager: true)")
+        kwargs["hf_overrides"] = {"beam_linear_precision": s.linear_precision}  # `beam_rl.rollout.linear.LINEAR_PRECISION_KEY`
     if not hybrid_kv_cache(s):
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if s.log_file:

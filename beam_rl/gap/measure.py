@@ -13,7 +13,8 @@ trainer, R3 on and off.
 
 Modes (`TRAIN_MODES`): `bf16` (BF16 full fine-tuning weights), `lora` (a seeded random LoRA adapter
 with non-zero B on both sides: the trainer's adapter, served by vLLM from the PEFT directory the
-trainer saved), `mxfp8` (Megatron with emulated MXFP8 linears vs a BF16 rollout serving the same quantised weights). The engines are
+trainer saved), `mxfp8` (Megatron with emulated MXFP8 linears vs a rollout serving the same quantised weights and
+quantising the same activations, `EngineSettings.linear_precision`). The engines are
 reached through `beam_rl.engines`; the router tap and the adapter's B are the Megatron trainer's
 own modules (`MegatronTrainer.model`).
 
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from beam_rl.engines import TRAIN_MODES, Adapter, EngineSettings, RolloutEngine, Sampling, TrainerBackend, build_trainer, start_rollout_engine
+from beam_rl.engines.base import check_engine_serves
 from beam_rl.errors import InputError
 from beam_rl.gap.options import MODES, GapOptions
 
@@ -105,7 +107,8 @@ def engine_settings(checkpoint: str, opts: GapOptions, max_model_len: int) -> En
     """The rollout engine of the measurement: routing captured, LoRA for mode lora."""
     return EngineSettings(
         model=str(checkpoint), seed=opts.seed, max_model_len=max_model_len, max_num_seqs=min(64, max(opts.num_prompts, 1)),
-        lora_rank=opts.lora_rank if TRAIN_MODES[opts.mode].lora else None, gpu_memory_utilization=opts.gpu_memory_utilization)
+        lora_rank=opts.lora_rank if TRAIN_MODES[opts.mode].lora else None, gpu_memory_utilization=opts.gpu_memory_utilization,
+        linear_precision=TRAIN_MODES[opts.mode].precision)
 
 
 def rollout(engine: RolloutEngine, prompts: list[list[int]], opts: GapOptions, lora_dir: Path | None) -> RolloutBatch:
@@ -253,6 +256,8 @@ def run_gap(opts: GapOptions, *, engine: RolloutEngine | None = None) -> dict:
         lora = TRAIN_MODES[opts.mode].lora
 
         verify_checkpoint(checkpoint)  # every tensor checked before an engine starts on the directory
+        if engine is not None:
+            check_engine_serves(engine, opts.mode)
         trainer, lora_dir, served = None, None, None
         if lora:  # the adapter must exist before vLLM samples with it
             trainer = build_gap_trainer(checkpoint, config, opts)

@@ -1,15 +1,12 @@
 """MXFP8 for Beam's linear layers: Transformer Engine on Blackwell, emulation everywhere else.
 
-Emulated MXFP8 (OCP Microscaling): along the reduction dim (the last dim of both the activation
-[..., K] and the weight [N, K]) every block of 32 elements shares one E8M0 scale
-2^ceil(log2(amax / 448)) (the "RCEIL" rule of Blackwell's MXFP8 conversion and Transformer
-Engine: the block maximum maps to at most 448, so nothing saturates; the OCP "floor" rule
-2^(floor(log2(amax)) - 8) clips block maxima by up to 12.5%), the elements are cast to E4M3
-(`torch.float8_e4m3fn`, round to nearest even) and multiplied back. The GEMM then runs on the
-dequantised values in the activation dtype, which is what an MXFP8 tensor-core GEMM computes up to
-its FP32 accumulation order. Backward: straight-through (gradients of the dequantised GEMM), BF16.
-Applies to every Column/RowParallelLinear (attention q/k/v/gate/o, dense and expert MLPs); the
-router (FP32), embeddings and LM head stay BF16/FP32, as in TE's MXFP8 recipe.
+The emulation is `beam_rl.model.mxfp8` (blocks of 32 along the reduction dim, E8M0 scales by the
+RCEIL rule, E4M3 values), applied to the activation and the weight of every Column/RowParallelLinear
+(attention q/k/v/gate/o, dense and expert MLPs); the GEMM then runs on the dequantised values in the
+activation dtype. Backward: straight-through (gradients of the dequantised GEMM), BF16. The router
+(FP32), embeddings and LM head stay BF16/FP32, as in TE's MXFP8 recipe. A rollout serving this
+trainer quantises the same activations (`EngineSettings.linear_numerics`) and serves the quantised
+weights (`served_weights`), so the two sides compute with the same operands.
 """
 
 from __future__ import annotations
@@ -21,45 +18,13 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from beam_rl.megatron.fused import cuda_compiled
-
-BLOCK = 32
-E4M3_MAX = 448.0
-
-
-def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (E4M3 values [..., K'], int E8M0 exponents [..., K'/32]); K' = K rounded up to 32."""
-    k = x.shape[-1]
-    pad = (-k) % BLOCK
-    xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
-    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK, BLOCK)  # (..., K'/32, 32); explicit: an expert may get 0 tokens
-    exp = _scale_exponent(blocks.abs().amax(dim=-1, keepdim=True))
-    values = (blocks / torch.exp2(exp)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return values.reshape(xf.shape), exp.squeeze(-1).to(torch.int16)
-
-
-def _scale_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """ceil(log2(amax / 448)) exactly (from the FP32 quotient's binary exponent, so every device and
-    compiler agrees; a rounded log2 can land on the integer below), clamped to E8M0's [-127, 127]."""
-    q = amax.clamp_min(2.0**-126) / E4M3_MAX
-    mantissa, exponent = torch.frexp(q)  # q = mantissa * 2^exponent, mantissa in [0.5, 1)
-    exp = torch.where(mantissa == 0.5, exponent - 1, exponent).float()
-    return torch.where(torch.isfinite(q), exp, 127.0).clamp(-127, 127)
-
-
-def mxfp8_dequantize(values: torch.Tensor, exp: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    blocks = values.float().reshape(*values.shape[:-1], values.shape[-1] // BLOCK, BLOCK) * torch.exp2(exp.float())[..., None]
-    return blocks.reshape(values.shape)[..., :k].to(dtype)
-
-
-def _quantize_dequantize(x: torch.Tensor) -> torch.Tensor:
-    values, exp = mxfp8_quantize(x)
-    return mxfp8_dequantize(values, exp, x.shape[-1], x.dtype)
+from beam_rl.model.mxfp8 import quantize_dequantize
 
 
 # One fused kernel on CUDA instead of a dozen passes with FP32 temporaries; every step is exact or a
 # round-to-nearest-even cast, so the compiled values equal the eager ones (tests/gpu). Dynamic shapes:
 # one graph for every linear's weight and activation of a rank.
-_quantize_dequantize_fused = cuda_compiled(_quantize_dequantize, dynamic=True)
+_quantize_dequantize_fused = cuda_compiled(quantize_dequantize, dynamic=True)
 
 
 class _FakeQuant(torch.autograd.Function):

@@ -64,12 +64,13 @@ def test_fused_ops_forward_bitwise_backward_close():
 
 
 def test_compiled_mxfp8_equals_eager():
-    from beam_rl.megatron.mxfp8 import _quantize_dequantize, mxfp8_fake_quant
+    from beam_rl.megatron.mxfp8 import mxfp8_fake_quant
+    from beam_rl.model.mxfp8 import quantize_dequantize
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     for shape in ((T, HIDDEN), (64, 1024, 1024), (T, 40)):
         x = (torch.randn(*shape, generator=gen, device="cuda") * torch.logspace(-4, 4, shape[-1], device="cuda")).to(BF16)
-        assert torch.equal(mxfp8_fake_quant(x), _quantize_dequantize(x)), shape
+        assert torch.equal(mxfp8_fake_quant(x), quantize_dequantize(x)), shape
 
 
 def test_flash_attention_against_fp32():
