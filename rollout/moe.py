@@ -109,8 +109,10 @@ class ReferenceExperts(nn.Module):
     each parameter's `weight_loader`, so vLLM's in-place `reload_weights` can track and replay it.
 
     The experts of vLLM's CPU runner, and of a GPU engine serving an MXFP8 trainer (FusedMoE's
-    Triton kernels cannot quantise the SwiGLU output between their two GEMMs); the per-expert loop
-    reads its expert ids on the host, so such a GPU engine runs eager (`EngineSettings.linear_precision`).
+    Triton kernels cannot quantise the SwiGLU output between their two GEMMs). On the GPU without
+    expert parallelism they run as two grouped GEMMs over the rows sorted by expert
+    (`_grouped_expert_outputs`: no host sync, so CUDA graphs capture them); the per-expert loop of
+    the CPU and of expert parallelism reads expert ids on the host, so a GPU engine with EP runs eager.
 
     Numerics: each expert's GEMMs in the model dtype (BF16 outputs, FP32 SwiGLU), then
     sum_k weight[t, k] * expert_out[t, k] with FP32 products and FP32 sums, rounded once to the
@@ -142,6 +144,11 @@ class ReferenceExperts(nn.Module):
             _check_reference_expert_parallel(self.ep_rank)
             if self.ep_size > E:
                 raise ValueError(f"expert parallel size {self.ep_size} exceeds the {E} experts")
+            from vllm.config import get_current_vllm_config
+
+            if not current_platform.is_cpu() and not get_current_vllm_config().model_config.enforce_eager:
+                raise ValueError("MXFP8 serving with expert parallelism on a GPU computes the experts in a per-expert loop that "
+                                 "reads expert ids on the host, which CUDA graphs cannot capture: set enforce_eager=True")
         base, rem = divmod(E, self.ep_size)
         self.num_local_experts = base + (1 if self.ep_rank < rem else 0)
         self.first_expert = self.ep_rank * base + min(self.ep_rank, rem)
@@ -201,12 +208,33 @@ def _expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
     return expert_out
 
 
+def _grouped_expert_outputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                            mxfp8: bool) -> torch.Tensor:
+    """`_expert_outputs` of all E experts as two grouped GEMMs (`torch._grouped_mm`) over the
+    (token, slot) rows sorted by expert: every row a BF16 GEMM with FP32 accumulation rounded once,
+    as the loop's `F.linear` (the accumulation order is the library's), with no host sync (CUDA
+    graphs capture it)."""
+    T, k = ids.shape
+    ffn = w2.shape[2]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    rows = mxfp8_inputs(x, mxfp8)[order // k]
+    gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
+    h = mxfp8_inputs(numerics.silu_and_mul(gate_up[:, :ffn], gate_up[:, ffn:]), mxfp8)
+    out = torch.empty_like(rows)
+    out[order] = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)
+    return out.view(T, k, x.shape[1])
+
+
 @torch.library.custom_op("beam_rl::reference_experts", mutates_args=())
 def _reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        mxfp8: bool) -> torch.Tensor:
-    """The reference's expert loop and combine (a custom op: its data-dependent loop stays out of
-    torch.compile)."""
-    return numerics.moe_combine(_expert_outputs(x, w13, w2, ids, 0, mxfp8), weights)
+    """The reference's expert arithmetic and combine (a custom op: its data-dependent shapes stay out
+    of torch.compile): the per-expert loop on CPU, grouped GEMMs on the GPU."""
+    outputs = _grouped_expert_outputs(x, w13, w2, ids, mxfp8) if x.is_cuda else _expert_outputs(x, w13, w2, ids, 0, mxfp8)
+    return numerics.moe_combine(outputs, weights)
 
 
 @_reference_experts.register_fake

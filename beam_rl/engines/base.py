@@ -84,9 +84,10 @@ class EngineSettings:
     come) or "mxfp8", the rollout of an MXFP8 trainer (`TrainMode.precision`): every linear the
     trainer quantises gets its input quantised the same way (`beam_rl.model.mxfp8`), on the
     trainer's quantised weights (`TrainerBackend.export(served=True)`), so the trainer-rollout gap is
-    what accumulation order adds. On a GPU the MXFP8 experts run the reference's per-expert loop,
-    which reads expert ids on the host: it needs `enforce_eager=True`. A vLLM server started by hand
-    takes it as `--hf-overrides '{"beam_linear_precision": "mxfp8"}'`."""
+    what accumulation order adds. On a GPU the MXFP8 experts run as grouped GEMMs
+    (`beam_rl.rollout.moe.ReferenceExperts`; with expert parallelism a per-expert loop that needs
+    `enforce_eager=True`). A vLLM server started by hand takes it as
+    `--hf-overrides '{"beam_linear_precision": "mxfp8"}'`."""
     adaptive_verification: bool = False
     """Speculative engines (`engine_args["speculative_config"]` with beam-rl's DFlash2 drafter): verify
     per step only the draft tokens worth their cost (`beam_rl.rollout.adaptive.AdaptiveVerifier`: the

@@ -204,10 +204,6 @@ def llm_kwargs(s: EngineSettings, cuda: bool) -> dict:
         kwargs.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=1)
     kwargs["async_scheduling"] = s.async_scheduling
     if s.linear_precision != "bf16":
-        if cuda and not s.enforce_eager:
-            raise ValueError(f"EngineSettings.linear_precision={s.linear_precision!r} on a GPU computes the experts in the reference's "
-                             "per-expert loop, which reads expert ids on the host and cannot be captured in CUDA graphs: set "
-                             "enforce_eager=True (recipes: rollout.enforce_eager: true)")
         kwargs["hf_overrides"] = {"beam_linear_precision": s.linear_precision}  # `beam_rl.rollout.linear.LINEAR_PRECISION_KEY`
     if not hybrid_kv_cache(s):
         kwargs["disable_hybrid_kv_cache_manager"] = True
