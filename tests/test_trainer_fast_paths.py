@@ -273,3 +273,18 @@ def test_one_rank_dispatch_and_combine_are_the_permutation_and_weighted_sum(dtyp
     assert torch.equal(weights.reshape(-1)[slot_of_row], row_probs)
     assert torch.equal(rows_f, rows_d) and torch.equal(out_f, out_d)
     _assert_grads_close(grads_f, grads_d, dtype, "dispatch / combine")
+
+
+def test_mxfp8_quantizer_compiles_for_every_width():
+    """The trainer's compiled MXFP8 quantiser (its compile settings, here for CPU) over the widths of
+    one model's linears, a width that needs padding and an expert without tokens: the eager values,
+    and no data-dependent guard (with unbacked sizes the padding branch raised
+    GuardOnDataDependentSymNode at the second width, which stopped every MXFP8 run on the GPU)."""
+    from beam_rl.megatron import fused
+    from beam_rl.megatron.mxfp8 import COMPILE
+    from beam_rl.model.mxfp8 import quantize_dequantize
+
+    compiled = fused.compiled_on(("cpu",), quantize_dequantize, **COMPILE)
+    for shape in ((8, 64), (16, 128), (5, 40), (0, 64), (3, 4, 96)):
+        x = (torch.randn(*shape) * 4).to(torch.bfloat16)
+        assert torch.equal(compiled(x), quantize_dequantize(x)), shape

@@ -22,9 +22,12 @@ from beam_rl.model.mxfp8 import quantize_dequantize
 
 
 # One fused kernel on CUDA instead of a dozen passes with FP32 temporaries; every step is exact or a
-# round-to-nearest-even cast, so the compiled values equal the eager ones (tests/gpu). Dynamic shapes:
-# one graph for every linear's weight and activation of a rank.
-_quantize_dequantize_fused = cuda_compiled(quantize_dequantize, dynamic=True)
+# round-to-nearest-even cast, so the compiled values equal the eager ones (tests/gpu). Dynamic shapes,
+# backed: the padding of the last dim to 32 is a branch on its size, which an unbacked size cannot
+# take (Dynamo's GuardOnDataDependentSymNode at the first call with a new width); few graphs for every
+# linear's weight and activation of a rank.
+COMPILE = dict(dynamic=True, unbacked=False)
+_quantize_dequantize_fused = cuda_compiled(quantize_dequantize, **COMPILE)
 
 
 class _FakeQuant(torch.autograd.Function):
