@@ -49,9 +49,27 @@ def test_config_from_the_release_and_bad_fields_named():
         ({"dflash_config": {**RELEASE["dflash_config"], "conv_group_size": 24}}, "conv_group_size"),
         ({"dflash_config": {**RELEASE["dflash_config"], "mask_token_id": V}}, "mask_token_id"),
         ({"dflash_config": None}, "dflash_config: missing"),
+        ({"dflash_config": {**RELEASE["dflash_config"], "causal": True}}, "dflash_config.causal"),
     ):
         with pytest.raises(ValueError, match=message):
             DFlash2Config.from_dict({**RELEASE, **change})
+
+
+def test_vllm_reads_the_drafter_as_non_causal():
+    """The config vLLM loads states the non-causal block where every vLLM version reads it:
+    `dflash_config.causal` (vLLM 0.26 reads only that one and takes sliding layers, all of DFlash2's,
+    as causal otherwise; a causal block lowered acceptance on the GPU) and `is_causal` (0.32)."""
+    from beam_rl.model.dflash2 import DFlash2HFConfig
+
+    released = {k: v for k, v in RELEASE.items() if k != "is_causal"}  # a release may state neither key
+    c = DFlash2HFConfig(**released)
+    assert c.dflash_config["causal"] is False and c.is_causal is False
+    assert c.dflash_config["target_layer_ids"] == RELEASE["dflash_config"]["target_layer_ids"]
+    assert DFlash2Config.from_dict(c.to_dict()) == DFlash2Config.from_dict(RELEASE)
+    with pytest.raises(ValueError, match="non-causal"):
+        DFlash2HFConfig(**{**released, "dflash_config": {**RELEASE["dflash_config"], "causal": True}})
+    vllm_dflash = pytest.importorskip("vllm.model_executor.models.qwen3_dflash")
+    assert vllm_dflash.dflash_has_any_non_causal(c)  # the installed vLLM's own resolution
 
 
 def test_weight_names_are_the_released_ones(drafter):

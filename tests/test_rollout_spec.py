@@ -167,10 +167,10 @@ def run_speculative(checkpoint: str, drafter: str, out: str) -> None:
     outs, routing = greedy(llm)
     got.update(tokens=[list(o.outputs[0].token_ids) for o in outs], routing=routing, before=before, after=spec_counts(llm))
     assert llm.collective_rpc(record) == [True]
-    one, _ = greedy(llm, prompts=PROMPTS[-1:], max_tokens=16)
+    one, one_routing = greedy(llm, prompts=PROMPTS[-1:], max_tokens=16)
     steps = llm.collective_rpc(lambda w: list(w.beam_test_steps))[0]  # a copy: the engine runs on
     got["kv_layout"] = llm.collective_rpc(kv_layout)[0]
-    got.update(steps_tokens=list(one[0].outputs[0].token_ids), steps=steps)
+    got.update(steps_tokens=list(one[0].outputs[0].token_ids), steps_routing=one_routing[0], steps=steps)
     e.shutdown()
     e = engine(draft_sample_method="probabilistic", async_scheduling=False)
     # a name of its own: rebinding `llm` would let the first LLM object be collected, and its
@@ -237,12 +237,16 @@ def test_greedy_and_routing_with_speculation_equal_without(speculative, tiny_eng
 
 
 def _reference(tiny_model, drafter_path, speculative):
-    """(ids, the target's hidden states with attention defined as the engine computed it, the drafter)."""
+    """(ids, the target's hidden states with attention defined as the engine computed it and the
+    engine's experts replayed, for every position but the last, the drafter). Replay (R3): the GPU's
+    fused router may break a near-tie the other way, and one flipped expert moves a row far."""
     from beam_rl.model.dflash2 import load_drafter, target_hidden_states
 
     ids = torch.tensor(PROMPTS[-1] + speculative["steps_tokens"])
+    routing = torch.from_numpy(speculative["steps_routing"].astype("int64"))  # [len(ids) - 1, layers, top_k]
+    moe = [i for i, t in enumerate(tiny_model.config.mlp_layer_types) if t == "sparse"]
     with tiny_model.attention_numerics(speculative["attention"]):
-        hidden = target_hidden_states(tiny_model, ids, TARGET_LAYERS)
+        hidden = target_hidden_states(tiny_model, ids[:-1], TARGET_LAYERS, routing[:, moe])
     return ids, hidden, load_drafter(drafter_path)
 
 

@@ -96,6 +96,8 @@ class DFlash2Config:
         dc = d.get("dflash_config")
         if not isinstance(dc, dict):
             raise ValueError("dflash2 config dflash_config: missing; it holds target_layer_ids, conv_kernel_size, ...")
+        if dc.get("causal", False):
+            raise ValueError("dflash2 config dflash_config.causal: the drafter's attention is non-causal; it must be false")
         rope = d.get("rope_parameters") or {}
         keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "vocab_size", "sliding_window")
@@ -406,15 +408,18 @@ class DFlash2Drafter(nn.Module):
 
 
 # -- training and acceptance (the reference of `beam-rl train-drafter`) -----------------------------
-def target_hidden_states(target, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+def target_hidden_states(target, ids: torch.Tensor, layer_ids: tuple[int, ...],
+                         routed_experts: torch.Tensor | None = None) -> torch.Tensor:
     """The reference target's residual streams after the 0-based layers `layer_ids` for one sequence
-    ids [T], concatenated in that order: [T, n*H] (what the drafter's context path reads)."""
+    ids [T], concatenated in that order: [T, n*H] (what the drafter's context path reads). With
+    `routed_experts` [T, moe_layers, top_k] the MoE layers replay those experts (R3: as an engine
+    routed the sequence, whose router may break near-ties the other way)."""
     captured: dict[int, torch.Tensor] = {}
     hooks = [target.model.layers[l].register_forward_hook(lambda m, a, out, l=l: captured.__setitem__(l, out[0][0]))
              for l in layer_ids]
     try:
         with torch.no_grad():
-            target(ids[None])
+            target(ids[None], routed_experts=None if routed_experts is None else routed_experts[None])
     finally:
         for h in hooks:
             h.remove()
@@ -477,12 +482,24 @@ WEIGHTS_FILE = "model.safetensors"
 
 class DFlash2HFConfig(PretrainedConfig):
     """The drafter's config.json as transformers (and so vLLM) reads it, `model_type: "beam_dflash2"`
-    (the vLLM plugin registers it); `DFlash2Config.from_dict` validates its fields."""
+    (the vLLM plugin registers it); `DFlash2Config.from_dict` validates its fields.
+
+    It also states the drafter's non-causal attention as `dflash_config.causal: false`: vLLM's DFlash
+    proposer takes a drafter's causality from its config, vLLM 0.32 from `is_causal`, vLLM 0.26 only
+    from `dflash_config.causal` and otherwise takes every sliding-window layer as causal (all of
+    DFlash2's are). Without it vLLM 0.26 ran the block causally: outputs stayed exact (verification
+    decides them), but each mask row saw only the rows before it and fewer drafts were accepted."""
 
     model_type = MODEL_TYPE
 
     def __init__(self, **kwargs):
         kwargs.setdefault("architectures", [ARCHITECTURE])
+        dflash = dict(kwargs.get("dflash_config") or {})
+        if dflash.get("causal") or kwargs.get("is_causal"):
+            raise ValueError("dflash2 config is_causal / dflash_config.causal: the drafter's attention is non-causal; "
+                             "they must be false or absent")
+        kwargs["dflash_config"] = {**dflash, "causal": False}
+        kwargs.setdefault("is_causal", False)
         super().__init__(**kwargs)
 
 
