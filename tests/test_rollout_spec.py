@@ -4,12 +4,12 @@
 The drafter is distilled here in a few seconds on the target's own greedy continuations of the test
 prompts (`beam_rl.model.dflash2.block_loss`), so drafts are partly accepted and partly rejected:
 - the drafter's proposals are the reference's: for every draft step, the draft model's final hidden
-  states are `DFlash2Drafter.propose`'s within 2 BF16 ulps (vLLM's attention kernel is the only
+  states are `DFlash2Drafter.propose`'s within 2 BF16 ulps (4 on a GPU; vLLM's attention kernel is the only
   other arithmetic; context from the reference target's hidden states, the sliding window shorter
   than the context) and the walked tokens equal `DFlash2Drafter.draft`;
 - the target hands the drafter its residual streams after `dflash_config.target_layer_ids`, equal
-  to the reference's `target_hidden_states` for every verified row (on a GPU, whose fused target
-  rounds differently, within the draft step's bound);
+  to the reference's `target_hidden_states` (the engine's experts replayed) for every verified row
+  (on a GPU, whose fused target rounds differently, within 4 BF16 ulps);
 - greedy output with speculation equals greedy output without it, with drafts accepted and rejected;
 - R3 under speculation: the captured routing equals the non-speculative engine's, so no rejected
   draft token's routing is reported;
@@ -250,20 +250,26 @@ def _reference(tiny_model, drafter_path, speculative):
     return ids, hidden, load_drafter(drafter_path)
 
 
-# On a GPU the engine's target is the fused build (Triton kernels, FlashAttention) and rounds
-# differently from the reference; its rows are held to the draft step's bound. On the CPU both
-# compute alike and the rows are equal bit for bit.
-BIT_EXACT = not torch.cuda.is_available()
+# On the CPU the engine's target computes as the reference, bit for bit, and its drafter within 2 BF16
+# ulps of the row's largest value (vLLM's attention accumulates its softmax blockwise, the reference
+# in one pass). On a GPU both are the fused build (Triton kernels, cuBLAS, FlashAttention), held to 4
+# ulps: on an H100 the largest seen were 2.3 ulps for target rows and about 3 for the drafter's
+# block, with routing replayed; the causal block of the defect this test found was off by 2.5 on a
+# row maximum of 3.45, some 90 ulps.
+CUDA = torch.cuda.is_available()
 
 
-def _two_ulps(want: torch.Tensor) -> float:
-    """The draft step's bound on max|got - want|: 2 BF16 ulps of `want`'s largest value."""
-    return 2**-6 * want.float().abs().max().item()
+def _ulps(want: torch.Tensor, n: int) -> float:
+    """n BF16 ulps of `want`'s largest value."""
+    return n * 2**-7 * want.float().abs().max().item()
 
 
-def _within_bound(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+def _within_bound(got: torch.Tensor, want: torch.Tensor, cpu_ulps: int | None = None) -> tuple[bool, float]:
+    """max|got - want| within 4 ulps on a GPU, `cpu_ulps` on the CPU (None: bit for bit)."""
     diff = (got.float() - want.float()).abs().max().item()
-    return (torch.equal(got, want) if BIT_EXACT else diff <= _two_ulps(want)), diff
+    if CUDA:
+        return diff <= _ulps(want, 4), diff
+    return (torch.equal(got, want) if cpu_ulps is None else diff <= _ulps(want, cpu_ulps)), diff
 
 
 def _engine_target_rows(speculative, ids) -> dict[int, list[torch.Tensor]]:
@@ -294,9 +300,9 @@ def test_the_drafter_reads_the_reference_target_hidden_states(speculative, tiny_
 
 def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafter_path):
     """Per draft step (attention defined as the engine computes it, for target and drafter): the
-    block's final hidden states within 2 BF16 ulps of the reference's (vLLM's
+    block's final hidden states within 2 BF16 ulps of the reference's on the CPU (vLLM's
     attention accumulates its softmax blockwise, the reference in one pass; every other op is the
-    reference's own), the walk over vLLM's hidden states is the reference's bit for bit, and the
+    reference's own), 4 on a GPU (`_within_bound`), the walk over vLLM's hidden states is the reference's bit for bit, and the
     drafted tokens are the reference drafter's."""
     from beam_rl.model import numerics
     from beam_rl.model.dflash2 import batched_edge_scores, batched_walk
@@ -326,7 +332,7 @@ def test_draft_steps_equal_the_reference_drafter(speculative, tiny_model, drafte
             E = batched_edge_scores(drafter.candidate_selector, z[None], unary[None], cands[None], torch.tensor([anchor]))
             walked = batched_walk(E, cands[None])[0][0]
         diff = (got_h.float() - h.float()).abs().max().item()
-        if diff > _two_ulps(h):
+        if not _within_bound(got_h, h, cpu_ulps=2)[0]:
             # which side is off: the reference drafter on the target rows the engine handed it
             # (its context), row by row of the block
             rows = _engine_target_rows(speculative, ids)
