@@ -68,9 +68,9 @@ INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the ind
     "gap": ("R3 log-prob gap", "R3 log-prob gap, trainer vs rollout, R3 on and off, per mode",
             "Mean |log p(trainer) - log p(rollout)| over sampled tokens (`beam-rl gap`): the trainer replays the "
             "rollout's experts (R3 on) or routes itself (R3 off). `extreme`: tokens with |d| > ln 2. Bars, R3 on: "
-            "0.005 (bf16, lora), 0.015 (mxfp8: the trainer's emulated MXFP8 against a BF16 rollout that serves the "
-            "trainer's quantised weights, dequantised, from commit f62bf84 on; rows of earlier commits served the "
-            "checkpoint's BF16 weights). LoRA: rank 8, "
+            "0.005 (bf16, lora), 0.015 (mxfp8: the trainer's emulated MXFP8 against a rollout that serves the "
+            "trainer's quantised weights, dequantised, from commit f62bf84 on, and quantises its linears' inputs as "
+            "the trainer does from commit 6b1734a on; rows of earlier commits computed those in BF16). LoRA: rank 8, "
             "alpha 16, random B ~ N(0, 0.05). Design: [r3.md](../r3.md)."),
     "dapo": ("DAPO", "DAPO runs (`beam-rl dapo`, SkyRL): rewards, held-out avg@8, per-step R3 gap, resume",
              "`beam-rl dapo`: a supervised warm start, then DAPO with R3 and verified weight sync after every step, "
