@@ -39,7 +39,7 @@ def cmd_dapo(args) -> int:
     s = summarize(read_metrics(out), recipe.rollout.eval_samples)  # the whole run, also after --resume
     k = recipe.rollout.eval_samples
     print(f"done in {time.perf_counter() - t0:.1f} s: held-out avg@{k} {s['warm_start']:.3f} (warm start) -> {s['final']:.3f}; "
-          f"per-step mean |delta logprob| (R3) " + " ".join(f"{g:.4f}" for g in s["gaps"]) + f"; metrics in {out}/metrics.jsonl")
+          f"per-step mean |delta logprob| ({'R3' if recipe.train.routing_replay else 'no R3'}) " + " ".join(f"{g:.4f}" for g in s["gaps"]) + f"; metrics in {out}/metrics.jsonl")
     return 0
 
 
