@@ -2,7 +2,7 @@
 
     python scripts/learning_report.py --suite math-mini-h200 --title "beam-mini, the math suite, one H200" --recipes recipes/math \\
         --device "one NVIDIA H200: ..." --date 2026-12-06 --commit abc1234 --via "h200_campaign.sh ..." \\
-        --warm-start CKPT_DIR/warm_start.json RUNS/bf16 RUNS/lora RUNS/mxfp8 RUNS/no-r3
+        --warm-start CKPT_DIR/warm_start.json --warm-start-command "beam-rl warm-start ..." RUNS/bf16 RUNS/lora RUNS/mxfp8 RUNS/no-r3
 
 Each RUN_DIR is a `beam-rl dapo` run directory (run.json: its recipe; metrics.jsonl: its steps) named
 after its recipe in --recipes (RUNS/bf16 ran recipes/math/bf16.yaml). Writes:
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", required=True)
     ap.add_argument("--via", default="", help="the script that ran the commands, if any")
     ap.add_argument("--warm-start", type=Path, default=None, help="the warm start's warm_start.json (its held-out curve)")
+    ap.add_argument("--warm-start-command", default=None, help="the command that wrote it (`beam-rl warm-start ...`)")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write into (default: the repository's)")
     args = ap.parse_args(argv)
     bench, results, figures = args.docs / "bench", args.docs / "results.json", args.docs / "results" / "learning"
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
     data["runs"] = [r for r in data["runs"] if r["suite"] != args.suite] + new
     if args.warm_start:
         warm = {"suite": args.suite, **json.loads(args.warm_start.read_text()), **prov}
+        if args.warm_start_command:
+            warm["command"] = args.warm_start_command
         data["warm_starts"] = [w for w in data.get("warm_starts", []) if w["suite"] != args.suite] + [warm]
     results.write_text(json.dumps(data, indent=1) + "\n")
     labels = [f"{r['run']} ({r['mode']}, R3 {'on' if r['r3'] else 'off'})" for r in new]
