@@ -122,9 +122,14 @@ def test_mxfp8_mode(tiny_engine_mxfp8, tiny_checkpoint):
     (`EngineSettings.linear_precision`), so on this random, untrained beam-tiny the R3 gap is under
     the 0.03 bar (0.075 when the rollout quantised no activations, 0.116 when it also served the
     BF16 weights). R3 removes the routing part; the engine gets its checkpoint's weights back."""
+    from beam_rl.engines.base import checksums_of
     from beam_rl.gap import GapOptions
     from beam_rl.gap.measure import run_gap
+    from beam_rl.model.checkpoint import load_config, read_tensors
 
+    # the engine is shared with the DAPO tests, which leave their trained weights in it: start from the checkpoint
+    original = dict(read_tensors(str(tiny_checkpoint), load_config(str(tiny_checkpoint))))
+    tiny_engine_mxfp8.load_weights(original, checksums_of(original.items()))
     before = tiny_engine_mxfp8.llm.collective_rpc("beam_parameter_checksums")[0]
     opts = GapOptions(checkpoint=str(tiny_checkpoint), mode="mxfp8", num_prompts=8, max_tokens=32, progress=False)
     report = run_gap(opts, engine=tiny_engine_mxfp8)
