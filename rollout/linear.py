@@ -29,11 +29,7 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
 from vllm.platforms import current_platform
 
-from beam_rl.model.mxfp8 import quantize_dequantize
-
-LINEAR_PRECISION_KEY = "beam_linear_precision"
-"""The config attribute (a vLLM `hf_overrides` key) naming the served linears' precision."""
-LINEAR_PRECISIONS = ("bf16", "mxfp8")
+from beam_rl.model.mxfp8 import LINEAR_PRECISION_KEY, LINEAR_PRECISIONS, quantize_dequantize
 
 
 class FP32PartialLinearMethod(UnquantizedLinearMethod):

@@ -29,7 +29,8 @@ from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
 from beam_rl.rollout import compat
 from beam_rl.rollout.compat import parameter_names
-from beam_rl.rollout.linear import LINEAR_PRECISION_KEY, linear_precision
+from beam_rl.model.mxfp8 import LINEAR_PRECISION_KEY
+from beam_rl.rollout.linear import linear_precision
 from beam_rl.rollout.moe import BeamDenseMLP, BeamMoE
 
 # HF checkpoint name -> (vLLM parameter, shard) for the stacked projections; experts are loaded by

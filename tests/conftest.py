@@ -49,22 +49,31 @@ def tiny_engine(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine_mxfp8(tiny_checkpoint, tmp_path_factory):
+def tiny_checkpoint_with_tokenizer(tiny_checkpoint, tmp_path_factory):
+    """The beam-tiny checkpoint beside the arithmetic task's tokenizer, as the DAPO loop's engines
+    read their model directory."""
+    import shutil
+
+    from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES
+
+    model_dir = tmp_path_factory.mktemp("tiny-with-tokenizer")
+    for f in Path(tiny_checkpoint).iterdir():
+        shutil.copy(f, model_dir / f.name)
+    for f in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER_DIR / f, model_dir / f)
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_mxfp8(tiny_checkpoint_with_tokenizer):
     """A second session engine on beam-tiny, serving an MXFP8 trainer (`linear_precision="mxfp8"`:
     the linears' inputs quantised as the trainer's), with the arithmetic task's tokenizer as the
     DAPO loop's engines have it; for the MXFP8 gap and DAPO tests. Never shut down before the session
     ends (an in-process engine's shutdown destroys torch.distributed's default group)."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    import shutil
-
     from beam_rl.engines import EngineSettings, start_rollout_engine
-    from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES
 
-    model_dir = tmp_path_factory.mktemp("mxfp8-engine")
-    for f in Path(tiny_checkpoint).iterdir():
-        shutil.copy(f, model_dir / f.name)
-    for f in TOKENIZER_FILES:
-        shutil.copy(TOKENIZER_DIR / f, model_dir / f)
+    model_dir = tiny_checkpoint_with_tokenizer
     yield start_rollout_engine(EngineSettings(model=str(model_dir), tokenizer=str(model_dir), seed=1, max_model_len=320,
                                               max_num_seqs=64, linear_precision="mxfp8", gpu_memory_utilization=0.1,
                                               gpu_kv_cache_gib=2))

@@ -37,21 +37,13 @@ def recipe(**changes):
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_checkpoint, tmp_path_factory):
+def engine(tiny_checkpoint_with_tokenizer):
     """The loop's own engine, built as `beam-rl dapo` builds it (`Job.engine_settings`: the engine
     core in this process, so rollouts are reproducible and resume can equal an uninterrupted run),
     on beam-tiny with the task's tokenizer; each run starts with a verified sync of its weights.
     Session-scoped and never shut down before the session ends: an in-process engine's shutdown
     destroys torch.distributed's default group, and with it the Megatron groups later tests use."""
-    import shutil
-
-    from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES
-
-    model_dir = tmp_path_factory.mktemp("dapo-engine")
-    for f in Path(tiny_checkpoint).iterdir():
-        shutil.copy(f, model_dir / f.name)
-    for f in TOKENIZER_FILES:
-        shutil.copy(TOKENIZER_DIR / f, model_dir / f)
+    model_dir = tiny_checkpoint_with_tokenizer
     # max_model_len of the math suite's prompts and solutions (test_math_task_through_the_loop)
     settings = dataclasses.replace(Job.engine_settings(recipe(), model_dir), seed=1, lora_rank=8, max_model_len=320)
     yield start_rollout_engine(settings)

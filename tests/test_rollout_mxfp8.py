@@ -61,7 +61,7 @@ def test_engine_settings_pass_the_precision_to_the_model():
     """`EngineSettings.linear_precision` reaches the model as the config attribute it reads."""
     from beam_rl.engines import EngineSettings
     from beam_rl.engines.vllm import llm_kwargs
-    from beam_rl.rollout.linear import LINEAR_PRECISION_KEY
+    from beam_rl.model.mxfp8 import LINEAR_PRECISION_KEY
 
     kwargs = llm_kwargs(EngineSettings(model="x", linear_precision="mxfp8"), cuda=False)
     assert kwargs["hf_overrides"] == {LINEAR_PRECISION_KEY: "mxfp8"}

@@ -22,12 +22,9 @@ import torch
 
 from beam_rl.errors import InputError
 from beam_rl.model.config import BeamConfig
+from beam_rl.model.mxfp8 import LINEAR_PRECISIONS
 from beam_rl.model.numerics import AttentionNumerics
 from beam_rl.r3 import RolloutBatch, TrainerBatch
-
-
-LINEAR_PRECISIONS = ("bf16", "mxfp8")
-"""`EngineSettings.linear_precision`'s values: `TrainMode.precision`'s."""
 
 
 @dataclass(frozen=True)

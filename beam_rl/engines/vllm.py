@@ -31,6 +31,7 @@ import torch
 
 from beam_rl.engines.base import Adapter, Completion, EngineSettings, RolloutEngine, Sampling
 from beam_rl.model.checkpoint import load_config
+from beam_rl.model.mxfp8 import LINEAR_PRECISION_KEY
 from beam_rl.model.names import PEFT_WEIGHTS
 from beam_rl.model.weights import tensor_checksum
 from beam_rl.r3 import RolloutBatch
@@ -204,7 +205,7 @@ def llm_kwargs(s: EngineSettings, cuda: bool) -> dict:
         kwargs.update(enable_lora=True, max_lora_rank=s.lora_rank, max_loras=1)
     kwargs["async_scheduling"] = s.async_scheduling
     if s.linear_precision != "bf16":
-        kwargs["hf_overrides"] = {"beam_linear_precision": s.linear_precision}  # `beam_rl.rollout.linear.LINEAR_PRECISION_KEY`
+        kwargs["hf_overrides"] = {LINEAR_PRECISION_KEY: s.linear_precision}
     if not hybrid_kv_cache(s):
         kwargs["disable_hybrid_kv_cache_manager"] = True
     if s.log_file:

@@ -5,7 +5,7 @@ RCEIL rule, E4M3 values), applied to the activation and the weight of every Colu
 (attention q/k/v/gate/o, dense and expert MLPs); the GEMM then runs on the dequantised values in the
 activation dtype. Backward: straight-through (gradients of the dequantised GEMM), BF16. The router
 (FP32), embeddings and LM head stay BF16/FP32, as in TE's MXFP8 recipe. A rollout serving this
-trainer quantises the same activations (`EngineSettings.linear_numerics`) and serves the quantised
+trainer quantises the same activations (`EngineSettings.linear_precision`) and serves the quantised
 weights (`served_weights`), so the two sides compute with the same operands.
 """
 

@@ -1,6 +1,6 @@
 """Emulated MXFP8 (OCP Microscaling), the numerics of Beam's MXFP8 mode on both sides: the trainer's
 linears (`beam_rl.megatron.mxfp8`) and the rollout that serves an MXFP8 trainer
-(`EngineSettings.linear_numerics`, `beam_rl.rollout.linear.mxfp8_inputs`).
+(`EngineSettings.linear_precision`, `beam_rl.rollout.linear.mxfp8_inputs`).
 
 Along the reduction dim (the last dim of both the activation [..., K] and the weight [N, K]) every
 block of 32 elements shares one E8M0 scale 2^ceil(log2(amax / 448)) (the "RCEIL" rule of Blackwell's
@@ -17,6 +17,11 @@ import torch
 
 BLOCK = 32
 E4M3_MAX = 448.0
+
+LINEAR_PRECISIONS = ("bf16", "mxfp8")
+"""What a served model's linears compute with (`EngineSettings.linear_precision`, `TrainMode.precision`)."""
+LINEAR_PRECISION_KEY = "beam_linear_precision"
+"""The served config's attribute (a vLLM `hf_overrides` key) naming it (`beam_rl.rollout.linear.linear_precision`)."""
 
 
 def mxfp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
