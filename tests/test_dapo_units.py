@@ -146,10 +146,12 @@ def test_math_task_recipe_checks_name_the_field():
             recipe_from_dict(bad)
 
 
-def test_recipe_base_chain(tmp_path):
+def test_recipe_base_chain(tmp_path, monkeypatch):
     """`base:` merges section by section, relative to the file, down a chain; loops and a missing
     base are refused by name. The recipes in recipes/math/ build on their warm-start recipe, those in
-    recipes/tiny-cpu/ on the main job's."""
+    recipes/tiny-cpu/ on the main job's (read from a directory without the checkpoints that a checkout's
+    own runs may have written)."""
+    repo = Path(__file__).resolve().parents[1]
     (tmp_path / "a.yaml").write_text("run:\n  seed: 3\n  total_steps: 7\ntrain:\n  lr: 1.0e-4\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.yaml").write_text("base: ../a.yaml\nrun:\n  total_steps: 9\n")
@@ -162,17 +164,18 @@ def test_recipe_base_chain(tmp_path):
     (tmp_path / "orphan.yaml").write_text("base: nowhere.yaml\n")
     with pytest.raises(RecipeError, match="nowhere.yaml does not exist"):
         load_recipe(tmp_path / "orphan.yaml")
-    warm = load_recipe("recipes/math/warm-mini-h200.yaml")
+    monkeypatch.chdir(tmp_path)  # model.checkpoint is relative to the working directory
+    warm = load_recipe(repo / "recipes/math/warm-mini-h200.yaml")
     assert (warm.task.name, warm.model.preset, warm.model.checkpoint) == ("math", "beam-mini", None)
     with pytest.raises(RecipeError, match="model.checkpoint: ckpt/math-mini-warm has no config.json"):
-        load_recipe("recipes/math/no-r3.yaml")  # the runs start from the warm start's checkpoint: write it first
+        load_recipe(repo / "recipes/math/no-r3.yaml")  # the runs start from the warm start's checkpoint: write it first
     # the math suite's CPU rehearsal: beam-tiny on level 1, its runs from its own warm start
-    rehearsal = load_recipe("recipes/math/tiny-cpu/warm.yaml")
+    rehearsal = load_recipe(repo / "recipes/math/tiny-cpu/warm.yaml")
     assert (rehearsal.model.preset, rehearsal.task.levels, rehearsal.train.lr) == ("beam-tiny", "1", warm.train.lr)
     with pytest.raises(RecipeError, match="model.checkpoint: ckpt/math-tiny-cpu-warm has no config.json"):
-        load_recipe("recipes/math/tiny-cpu/bf16-lr5e-5.yaml")
+        load_recipe(repo / "recipes/math/tiny-cpu/bf16-lr5e-5.yaml")
     # the CPU set of four: the main job in each mode, from the same seeded warm start
-    tiny = {m: load_recipe(f"recipes/tiny-cpu/{m}.yaml") for m in ("bf16", "lora", "mxfp8", "no-r3")}
+    tiny = {m: load_recipe(repo / f"recipes/tiny-cpu/{m}.yaml") for m in ("bf16", "lora", "mxfp8", "no-r3")}
     assert {m: (r.train.mode, r.train.routing_replay) for m, r in tiny.items()} == {
         "bf16": ("bf16", True), "lora": ("lora", True), "mxfp8": ("mxfp8", True), "no-r3": ("bf16", False)}
     same = lambda r: (r.warm_start, r.model, r.task, r.run.seed)  # noqa: E731
@@ -325,6 +328,25 @@ def test_resume_checks_recipe_and_metrics(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # truncated by an earlier mistake
     with pytest.raises(RecipeError, match=r"lacks step\(s\) \[1, 2\]"):
         rundir.check_metrics_reach(tmp_path, 2)
+
+
+def test_resume_of_a_finished_run_does_nothing(tmp_path):
+    """A finished run whose checkpoints were removed is not started over by --resume (its metrics kept)."""
+    from beam_rl.dapo import rundir
+    from beam_rl.dapo.config import RecipeError, recipe_from_dict, recipe_to_dict
+    from beam_rl.dapo.loop import run_dapo
+
+    recipe = recipe_from_dict({"run": {"total_steps": 2}})
+    rundir.start_fresh(tmp_path, overwrite=False, recipe_dict=recipe_to_dict(recipe))
+    rows = "".join(f'{{"step": {s}, "reward_mean": 0.{s}}}\n' for s in (0, 1, 2))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    assert rundir.finished(tmp_path, 2) and not rundir.finished(tmp_path, 3)
+    said = []
+    history = run_dapo(recipe, tmp_path, resume=True, log=said.append)
+    assert [m["step"] for m in history] == [0, 1, 2] and (tmp_path / "metrics.jsonl").read_text() == rows
+    assert said == [f"--resume: {tmp_path} has recorded all 2 steps; nothing to do"]
+    with pytest.raises(RecipeError, match=r"differs from the run's in \['train.lr'\]"):
+        run_dapo(recipe_from_dict({"run": {"total_steps": 2}, "train": {"lr": 0.5}}), tmp_path, resume=True, log=said.append)
 
 
 def test_leftovers_of_killed_runs_are_removed(tmp_path):

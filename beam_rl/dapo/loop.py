@@ -387,8 +387,15 @@ def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, engine: RolloutEn
              overwrite: bool = False) -> list[dict]:
     """The whole job. `engine_log`: the engine this starts logs to RUN_DIR/engine.log; `overwrite`:
     replace an earlier run's results in `run_dir` (else a fresh start there is refused); `stop_after`
-    / `max_seconds`: stop early with a checkpoint (`Job.run`), `max_seconds` counted from this call."""
+    / `max_seconds`: stop early with a checkpoint (`Job.run`), `max_seconds` counted from this call. A
+    `resume` of a run that has recorded all its steps returns its metrics and starts nothing."""
     stop_by = None if max_seconds is None else time.monotonic() + max_seconds
+    if resume and rundir.finished(Path(run_dir), recipe.run.total_steps):
+        from beam_rl.dapo.metrics import read_metrics
+
+        rundir.check_same_recipe(Path(run_dir), recipe_to_dict(recipe))
+        log(f"--resume: {run_dir} has recorded all {recipe.run.total_steps} steps; nothing to do")
+        return read_metrics(Path(run_dir))
     torch.manual_seed(recipe.run.seed)
     job = Job(recipe, Path(run_dir), resume=resume, engine=engine, progress=progress, log=log, engine_log=engine_log,
               overwrite=overwrite)

@@ -100,6 +100,15 @@ def check_metrics_reach(run_dir: Path, step: int) -> None:
                           "it does not belong to this run's checkpoints. Restore it, or start over with --overwrite")
 
 
+def finished(run_dir: Path, total_steps: int) -> bool:
+    """Whether the run in `run_dir` has recorded its step `total_steps` (metrics.jsonl): a `--resume`
+    then has nothing to do, with or without checkpoints left (a run's last checkpoint may have been
+    removed to free the disk, and resuming from none would start the run over)."""
+    from beam_rl.dapo.metrics import read_metrics
+
+    return (Path(run_dir) / RUN_FILE).exists() and any(int(m["step"]) >= total_steps for m in read_metrics(Path(run_dir)))
+
+
 def clean_leftovers(run_dir: Path) -> list[Path]:
     """Remove temp directories of interrupted atomic writes under `run_dir` and `/dev/shm` weight
     copies of runs whose process no longer exists; returns what was removed."""
