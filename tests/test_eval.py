@@ -7,7 +7,7 @@ import json
 import pytest
 
 from beam_rl.eval.data import BUILTIN, DataError, load_problems, rows_to_problems
-from beam_rl.eval.grading import GradingPool, extract_answer, normalize
+from beam_rl.eval.grading import GradingPool, extract_answer, integer_verdict, math_verify_equal, normalize, verify_answer
 from beam_rl.eval.metrics import majority, pass_at_k, score_problem, summarize
 
 
@@ -48,6 +48,22 @@ def test_grading_pool_enforces_timeouts():
     assert grades[4].extracted is None
 
 
+def test_integer_answers_are_graded_as_math_verify_grades_them():
+    """The in-process verdict on two canonical integer literals is math-verify's own; every other
+    form (leading zeros, a sign on zero, decimals, spaces) is left to math-verify."""
+    pairs = [("17", "17"), ("17", "18"), ("0", "0"), ("0", "7"), ("-3", "-3"), ("-3", "3"), ("1000", "100"), ("9999", "9999")]
+    for gold, answer in pairs:
+        verdict = integer_verdict(gold, answer)
+        assert verdict is not None and verdict == (gold == answer)
+        assert math_verify_equal(gold, answer) == verdict == verify_answer(gold, answer)
+    for answer in ("017", "-0", "17.0", "1 7", "+17", "17/1", "x"):
+        assert integer_verdict("17", answer) is None
+    assert integer_verdict("17", None) is None
+    with GradingPool(workers=1) as pool:
+        grades = pool.grade(["17", "17", "17"], ["Answer: 17", "Answer: 18", "Answer: 17.0"])
+    assert [g.correct for g in grades] == [True, False, True] and grades[2].extracted == "17.0"
+
+
 def test_grading_pool_names_a_missing_math_verify_and_a_dead_worker(tmp_path, monkeypatch):
     """No math-verify: refused at construction, naming the package. A worker that dies at start
     (here its math_verify import fails) is reported as soon as it exits, not after the start timeout."""
@@ -64,7 +80,7 @@ def test_grading_pool_names_a_missing_math_verify_and_a_dead_worker(tmp_path, mo
     pool = GradingPool(workers=1)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="exited at start"):
-        pool.grade(["1"], ["Answer: 1"])
+        pool.grade(["1/2"], ["Answer: 1/2"])  # not an integer pair: math-verify's (the workers') to grade
     assert time.monotonic() - t0 < 60
 
 

@@ -3,7 +3,10 @@
 math-verify's own timeouts use `signal.alarm`, which only works in a main thread and can fire
 inside unrelated code. Here both of its timeouts are off; each answer is graded in a worker
 process of `GradingPool`, and a worker that runs past `timeout_s` on one answer is killed and
-replaced (that answer is graded incorrect, `timed_out=True`).
+replaced (that answer is graded incorrect, `timed_out=True`). An answer that is a canonical integer
+literal against an integer gold answer is graded in-process (`integer_verdict`: math-verify's verdict
+on such a pair, without its parse: a worker takes about 3 ms an answer, 6 s for the math suite's
+2048 held-out completions).
 
 Extraction (DAPO's format first): the last `Answer:` line of the response; failing that, the
 last `\\boxed{...}`; failing that, no answer (incorrect).
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 _ANSWER_LINE = re.compile(r"(?im)^\s*\**\s*answer\s*\**\s*:\s*(.+?)\s*$")
+_INTEGER = re.compile(r"-?[1-9][0-9]*|0")
 
 
 @dataclass(frozen=True)
@@ -61,10 +65,26 @@ def normalize(answer: str | None) -> str | None:
     return re.sub(r"\s+", "", answer).strip("$").rstrip(".") or None
 
 
+def integer_verdict(gold: str, extracted: str | None) -> bool | None:
+    """math-verify's verdict where both answers are canonical integer literals (`-?[1-9][0-9]*|0`):
+    two such literals are equal numbers iff they are equal strings, so no parse is needed (an
+    integer-answer task grades almost every response here, in-process); None for anything else."""
+    if extracted is None or not (_INTEGER.fullmatch(gold) and _INTEGER.fullmatch(extracted)):
+        return None
+    return gold == extracted
+
+
 def verify_answer(gold: str, extracted: str | None) -> bool:
     """math-verify equivalence of the extracted answer and the gold answer, no signal timeouts."""
     if extracted is None:
         return False
+    verdict = integer_verdict(gold, extracted)
+    return verdict if verdict is not None else math_verify_equal(gold, extracted)
+
+
+def math_verify_equal(gold: str, extracted: str) -> bool:
+    """math-verify's parse and verify of both answers (as LaTeX, then the answer as plain text),
+    falling back to equal normalized strings."""
     from math_verify import parse, verify
 
     gold_parsed = parse(f"${gold}$", parsing_timeout=None)
@@ -142,8 +162,9 @@ class GradingPool:
         results: list[Grade | None] = [None] * len(responses)
         todo = []
         for i, (g, e) in enumerate(zip(golds, extracted)):
-            if e is None:
-                results[i] = Grade(None, False)
+            verdict = integer_verdict(g, e)
+            if e is None or verdict is not None:
+                results[i] = Grade(e, bool(verdict))
             else:
                 todo.append(i)
         todo.reverse()
