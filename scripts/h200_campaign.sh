@@ -8,7 +8,9 @@
 # Each argument is a lane: its stages run in order on GPU <lane index> (CUDA_VISIBLE_DEVICES);
 # with fewer GPUs than lanes the lanes run one after another, or side by side on the shared GPU with
 # SHARE_GPU=1 (host-bound stages such as two DAPO runs whose engines and trainers fit in its memory:
-# the math recipes take 12% of the GPU for vLLM each). Every stage runs under a timeout
+# the math recipes take 12% of the GPU for vLLM each; on an H100 two math DAPO runs started together
+# were both still compiling their engines' Triton kernels after 205 s, where one alone starts its
+# engine in ~60 s: math_wait starts the second after the first has its engine). Every stage runs under a timeout
 # that ends before the call's own limit ($BUDGET seconds from the start, default 570) and records
 # its exit code in $OUT/status; a stage out of time gets SIGABRT, so each Python process in it writes
 # its threads' stacks to the stage's log (PYTHONFAULTHANDLER). With STALL_S=N, a stage whose log has
@@ -55,7 +57,9 @@
 #   (the math stages grade with math-verify: install the kit of scripts/gpu_kit_math.txt with the gpu-kit)
 #   math_warm      beam-rl warm-start --recipe recipes/math/warm-mini-h200.yaml -> $WORK/ckpt/math-mini-warm (recompiles logged); stopped
 #                  with a resumable checkpoint before the call's time runs out (MATH_KEEP_S, as below), resumed by the next call's math_warm
-#   math_wait      waits for math_warm's checkpoint (another lane's, SHARE_GPU=1: "math_warm math_bf16" "math_wait math_no-r3")
+#   math_wait      waits for math_warm's checkpoint (another lane's, SHARE_GPU=1: "math_warm math_bf16" "math_wait math_no-r3"),
+#                  then (at most 300 s) for another math stage's DAPO engine to start (its log's "rollout attention
+#                  numerics" line): two engines started together were still compiling after 205 s (H100)
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
 #                  learning runs from that warm start, 50 steps, each call's part ended with a checkpoint
 #                  before its time runs out (MATH_KEEP_S s kept to write it, default 90; 0 in a machine's last
@@ -109,7 +113,8 @@ stage_cmd() {
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       # a finished run's checkpoint goes (16 GB; the disk holds few), its metrics stay: --resume then does nothing
       echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; python3 -c \"import sys; from beam_rl.dapo.config import load_recipe; from beam_rl.dapo.rundir import finished; sys.exit(not finished('$r', load_recipe('$REPO/recipes/math/$m.yaml').run.total_steps))\" && rm -rf $r/checkpoints; exit \$rc" ;;
-    math_wait) echo "i=0; while [ ! -f $WORK/ckpt/math-mini-warm/warm_start.json ]; do sleep 5; i=\$((i + 5)); [ \$((i % 60)) = 0 ] && echo \"waiting for the warm start: \${i}s\"; done; exit 0" ;;  # a line a minute: STALL_S reads a silent log as a hang
+    math_wait) echo "i=0; while [ ! -f $WORK/ckpt/math-mini-warm/warm_start.json ]; do sleep 5; i=\$((i + 5)); [ \$((i % 60)) = 0 ] && echo \"waiting for the warm start: \${i}s\"; done; \
+      i=0; until grep -qs 'rollout attention numerics' $OUT/math_*.log || [ \$i -ge 300 ]; do sleep 5; i=\$((i + 5)); [ \$((i % 60)) = 0 ] && echo \"waiting for the other lane's DAPO engine: \${i}s\"; done; exit 0" ;;  # a line a minute: STALL_S reads a silent log as a hang
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
     drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;

@@ -427,6 +427,33 @@ def test_supervised_step_in_micro_batches_is_the_whole_batch_step(tiny_model, ti
     assert worst <= 2 * 1e-3 + 2**-8 and differ < 0.01
 
 
+def test_a_compile_does_not_stop_a_warm_start_early(monkeypatch):
+    """The time-limit estimate of the next step leaves out torch.compile's seconds: a first step that
+    is mostly compilation (67 s of 74 on the H100) does not end the call's part of the run at once."""
+    import time
+
+    from beam_rl.dapo import warmstart
+    from beam_rl.dapo.config import WarmStartConfig
+    from beam_rl.tasks.arithmetic import Tokenizer
+
+    compiled = {"s": 0.0}
+    monkeypatch.setattr(warmstart, "torch_compile_seconds", lambda: compiled["s"])
+
+    class Policy:  # the supervised step's timing only: the first step compiles for 0.5 s
+        def supervised_step(self, ids, lengths, prompts, micro_batch_size=None):
+            if not compiled["s"]:
+                time.sleep(0.5)
+                compiled["s"] = 0.5
+            time.sleep(0.01)
+            return 1.0
+
+    recipe = recipe_from_dict({"run": {"total_steps": 1}, "model": {"preset": "beam-tiny"}})
+    cfg = WarmStartConfig(steps=1000, batch_size=2)
+    p = warmstart.warm_start(Policy(), recipe.task.build(), Tokenizer(), cfg, seed=0, log=lambda *_: None,
+                             stop_by=time.monotonic() + 0.8)
+    assert not p.finished and 5 <= p.step < 1000  # ~0.3 s left after step 1: room for many 0.01 s steps
+
+
 def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
     """`beam-rl warm-start`: the recipe's supervised steps on the real Megatron trainer, saved in the
     released format (strictly verified, FP32 routers), the loss falling; a non-empty --out is refused;

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from beam_rl.dapo.metrics import torch_compile_seconds
+
 
 def answer_batch(task, tokenizer, problems):
     """Right-padded prompt + answer ids, lengths and prompt lengths."""
@@ -55,7 +57,7 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
     `train.micro_batch_size`).
     `progress` continues an earlier call (its sampler state included, so the problems drawn are the
     uninterrupted run's); the call returns unfinished after step `stop_after`, or when the slowest
-    step so far (its evaluation included) would end past `stop_by` (a `time.monotonic()` time)."""
+    step so far (its evaluation included, its torch.compile seconds left out) would end past `stop_by` (a `time.monotonic()` time)."""
     p = progress or WarmStartProgress()
     rng = random.Random(seed)
     if p.sampler is not None:
@@ -63,7 +65,7 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
     target = cfg.target_heldout_avg if evaluate is not None else None
     slowest, trained, since = 0.0, 0.0, p.step
     for step in range(p.step + 1, cfg.steps + 1):
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), torch_compile_seconds()
         problems = [rng.choice(task.train) for _ in range(cfg.batch_size)]
         p.losses.append(policy.supervised_step(*answer_batch(task, tokenizer, problems), micro_batch_size=micro_batch_size))
         p.sampler = rng.getstate()
@@ -76,7 +78,7 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
             trained, since = 0.0, step
             if p.evals[-1][1] >= target:
                 break
-        slowest = max(slowest, time.monotonic() - t0)
+        slowest = max(slowest, time.monotonic() - t0 - (torch_compile_seconds() - c0))  # compiles are not the next step's
         if step < cfg.steps and (step == stop_after or (stop_by is not None and time.monotonic() + slowest > stop_by)):
             log(f"warm start stopped after step {step} of {cfg.steps}, to be resumed")
             return p
