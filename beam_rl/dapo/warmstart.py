@@ -57,7 +57,8 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
     `train.micro_batch_size`).
     `progress` continues an earlier call (its sampler state included, so the problems drawn are the
     uninterrupted run's); the call returns unfinished after step `stop_after`, or when the slowest
-    step so far (its evaluation included, its torch.compile seconds left out) would end past `stop_by` (a `time.monotonic()` time)."""
+    step so far (its evaluation included, its torch.compile seconds left out) would end past
+    `stop_by` (a `time.monotonic()` time)."""
     p = progress or WarmStartProgress()
     rng = random.Random(seed)
     if p.sampler is not None:
