@@ -90,6 +90,12 @@ checkpoint() {  # one writer; other lanes wait for it
   while [ ! -f "$WORK/.ckpt.done" ]; do sleep 2; done
 }
 
+wait_until() {  # what, most seconds, condition (evaluated anew every 5 s, globs included); a line a minute (STALL_S reads a silent log as a hang)
+  local what=$1 most=$2 cond=$3 i=0
+  until eval "$cond" || [ "$i" -ge "$most" ]; do sleep 5; i=$((i + 5)); [ $((i % 60)) = 0 ] && echo "waiting for $what: ${i}s"; done
+  return 0
+}
+
 stage_cmd() {
   case "$1" in
     megatron) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_megatron_gpu.py" ;;
@@ -113,8 +119,7 @@ stage_cmd() {
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       # a finished run's checkpoint goes (16 GB; the disk holds few), its metrics stay: --resume then does nothing
       echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; python3 -c \"import sys; from beam_rl.dapo.config import load_recipe; from beam_rl.dapo.rundir import finished; sys.exit(not finished('$r', load_recipe('$REPO/recipes/math/$m.yaml').run.total_steps))\" && rm -rf $r/checkpoints; exit \$rc" ;;
-    math_wait) echo "i=0; while [ ! -f $WORK/ckpt/math-mini-warm/warm_start.json ]; do sleep 5; i=\$((i + 5)); [ \$((i % 60)) = 0 ] && echo \"waiting for the warm start: \${i}s\"; done; \
-      i=0; until grep -qs 'rollout attention numerics' $OUT/math_*.log || [ \$i -ge 300 ]; do sleep 5; i=\$((i + 5)); [ \$((i % 60)) = 0 ] && echo \"waiting for the other lane's DAPO engine: \${i}s\"; done; exit 0" ;;  # a line a minute: STALL_S reads a silent log as a hang
+    math_wait) echo "wait_until 'the warm start' 86400 'test -f $WORK/ckpt/math-mini-warm/warm_start.json'; wait_until \"the other lane's DAPO engine\" 300 'grep -qs \"rollout attention numerics\" $OUT/math_*.log'" ;;
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
     drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
@@ -124,7 +129,7 @@ stage_cmd() {
 
 run_stage() {  # stage, seconds left, GPU: runs it, appending to its log; returns its exit code, 200 if it stalled
   local log="$OUT/$1.log" size=-1 still=0
-  ( cd "$WORK" && export -f checkpoint && export CKPT WORK OUT && \
+  ( cd "$WORK" && export -f checkpoint wait_until && export CKPT WORK OUT && \
     CUDA_VISIBLE_DEVICES=$([ "$1" = tp2 ] && echo 0,1 || echo "$3") exec timeout -s ABRT -k 20 "$2" bash -c "$(stage_cmd "$1" "$2")" ) >>"$log" 2>&1 &
   local pid=$!  # timeout's, the leader of the stage's process group
   while [ "${STALL_S:-0}" -gt 0 ] && kill -0 "$pid" 2>/dev/null; do
