@@ -62,9 +62,10 @@
 #                  numerics" line): two engines started together were still compiling after 205 s (H100)
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
 #                  learning runs from that warm start, 50 steps, each call's part ended with a checkpoint
-#                  before its time runs out (MATH_KEEP_S s kept to write it, default 90; 0 in a machine's last
-#                  call, where a checkpoint would not outlive the machine) and resumed by the next call; metrics.jsonl and run.json in $OUT/runs/<mode>/, the input of
-#                  scripts/learning_report.py (with $OUT/warm_start.json)
+#                  before its time runs out (MATH_KEEP_S s kept to write it, default 90) and resumed by the next
+#                  call; MATH_LAST_CALL=1 (a machine's last call): no checkpoint at all (--no-checkpoints: ~16 GB
+#                  that would not outlive the machine), so MATH_KEEP_S=20 suffices; metrics.jsonl and run.json in
+#                  $OUT/runs/<mode>/, the input of scripts/learning_report.py (with $OUT/warm_start.json)
 #   spec_test      tests/test_rollout_spec.py on vLLM 0.26 (beam-tiny, the DFlash2 drafter distilled in the test:
 #                  greedy and R3 equal without speculation, drafts equal the reference's, adaptive verification)
 #   spec           scripts/bench_spec.py: no speculation vs DFlash2 at concurrency 1 / 8 / 32 / 128 on the math warm
@@ -118,7 +119,7 @@ stage_cmd() {
       echo "[ -f $w/warm_start.json ] && exit 0; TORCH_LOGS=recompiles python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $w \$( [ -d $w/checkpoints ] && echo --resume || echo --overwrite ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )) && { [ ! -f $w/warm_start.json ] || cp $w/warm_start.json $OUT/; }" ;;
     math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
       # a finished run's checkpoint goes (16 GB; the disk holds few), its metrics stay: --resume then does nothing
-      echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )); rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; python3 -c \"import sys; from beam_rl.dapo.config import load_recipe; from beam_rl.dapo.rundir import finished; sys.exit(not finished('$r', load_recipe('$REPO/recipes/math/$m.yaml').run.total_steps))\" && rm -rf $r/checkpoints; exit \$rc" ;;
+      echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} ))${MATH_LAST_CALL:+ --no-checkpoints}; rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; python3 -c \"import sys; from beam_rl.dapo.config import load_recipe; from beam_rl.dapo.rundir import finished; sys.exit(not finished('$r', load_recipe('$REPO/recipes/math/$m.yaml').run.total_steps))\" && rm -rf $r/checkpoints; exit \$rc" ;;
     math_wait) echo "wait_until 'the warm start' 86400 'test -f $WORK/ckpt/math-mini-warm/warm_start.json'; wait_until \"the other lane's DAPO engine\" 300 'grep -qs \"rollout attention numerics\" $OUT/math_*.log'" ;;
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;

@@ -88,6 +88,11 @@ def test_two_steps_then_resume_equals_uninterrupted(engine, tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(sa["optimizer"]["master"], sb["optimizer"]["master"]))
     assert sa["data"] == sb["data"]
 
+    # a machine's last call: out of time as above, no checkpoint written
+    last = run_dapo(r, tmp_path / "last", engine=engine, progress=False, max_seconds=0, checkpoints=False)
+    assert comparable(last) == comparable(full[:2])
+    assert not (tmp_path / "last" / "checkpoints").exists() or not any((tmp_path / "last" / "checkpoints").iterdir())
+
 
 @pytest.mark.parametrize("mode, budget", [("lora", 0.01), ("mxfp8", 0.015)])
 def test_lora_and_mxfp8_modes(engine, tiny_engine_mxfp8, tmp_path, mode, budget):

@@ -30,7 +30,8 @@ def cmd_dapo(args) -> int:
         log_warnings_to(Path(out) / "engine.log")
     t0 = time.perf_counter()
     try:
-        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after, max_seconds=args.max_seconds, engine_log=not args.verbose, overwrite=args.overwrite)
+        run_dapo(recipe, out, resume=args.resume, stop_after=args.stop_after, max_seconds=args.max_seconds, engine_log=not args.verbose, overwrite=args.overwrite,
+                 checkpoints=not args.no_checkpoints)
     except R3GapError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -79,6 +80,9 @@ def add_dapo_parser(sub) -> None:
     p.add_argument("--max-seconds", type=float, default=None,
                    help="stop with a checkpoint after the step past which the slowest step so far would end later than this "
                         "many seconds from the start (a device call's time limit minus the checkpoint's writing); --resume continues")
+    p.add_argument("--no-checkpoints", action="store_true",
+                   help="write no checkpoint in this call, also at the end (a machine's last call: ~16 GB for beam-mini that "
+                        "could not outlive it); metrics.jsonl is still written every step")
     p.add_argument("--verbose", action="store_true", help="engine logs and library warnings on the console (default: RUN_DIR/engine.log)")
     p.set_defaults(func=cmd_dapo)
 

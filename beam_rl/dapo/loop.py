@@ -319,10 +319,10 @@ class Job:
             self.engine.wake()  # then the verified sync overwrites the weights
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, stop_after: int | None = None, stop_by: float | None = None) -> list[dict]:
+    def run(self, stop_after: int | None = None, stop_by: float | None = None, checkpoints: bool = True) -> list[dict]:
         """Steps to run.total_steps; stopped early, with a checkpoint, after step `stop_after` or when
         the slowest step so far, its torch.compile seconds left out, would end past `stop_by` (a
-        `time.monotonic()` time)."""
+        `time.monotonic()` time). `checkpoints=False` writes none (the metrics still go out each step)."""
         from tqdm import tqdm
 
         r = self.r
@@ -370,11 +370,12 @@ class Job:
             # 7 s for the rest of it) would end the call's part of the run a minute early
             slowest = max(slowest, m["time_s"] - m.get("compile_s", 0.0))
             out_of_time = stop_by is not None and step < r.run.total_steps and time.monotonic() + slowest > stop_by
-            if step % r.run.checkpoint_every == 0 or step == r.run.total_steps or step == stop_after or out_of_time:
+            if checkpoints and (step % r.run.checkpoint_every == 0 or step == r.run.total_steps or step == stop_after or out_of_time):
                 self.checkpoint(step)
             if (stop_after is not None and step >= stop_after) or out_of_time:
                 if out_of_time:
-                    self.log(f"step {step}: stopped with a checkpoint (the next step would end past --max-seconds); continue with --resume")
+                    self.log(f"step {step}: stopped (the next step would end past --max-seconds); "
+                             + ("continue with --resume" if checkpoints else "no checkpoint (--no-checkpoints)"))
                 break
         self.metrics.close()
         return history
@@ -387,10 +388,11 @@ class Job:
 
 def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, engine: RolloutEngine | None = None, stop_after: int | None = None,
              max_seconds: float | None = None, progress: bool = True, log=print, engine_log: bool = False,
-             overwrite: bool = False) -> list[dict]:
+             overwrite: bool = False, checkpoints: bool = True) -> list[dict]:
     """The whole job. `engine_log`: the engine this starts logs to RUN_DIR/engine.log; `overwrite`:
     replace an earlier run's results in `run_dir` (else a fresh start there is refused); `stop_after`
-    / `max_seconds`: stop early with a checkpoint (`Job.run`), `max_seconds` counted from this call. A
+    / `max_seconds`: stop early with a checkpoint (`Job.run`), `max_seconds` counted from this call;
+    `checkpoints=False`: none written (a machine's last call, where they cannot outlive the machine). A
     `resume` of a run that has recorded all its steps returns its metrics and starts nothing."""
     stop_by = None if max_seconds is None else time.monotonic() + max_seconds
     if resume and rundir.finished(Path(run_dir), recipe.run.total_steps):
@@ -403,7 +405,7 @@ def run_dapo(recipe: Recipe, run_dir, *, resume: bool = False, engine: RolloutEn
     job = Job(recipe, Path(run_dir), resume=resume, engine=engine, progress=progress, log=log, engine_log=engine_log,
               overwrite=overwrite)
     try:
-        return job.run(stop_after=stop_after, stop_by=stop_by)
+        return job.run(stop_after=stop_after, stop_by=stop_by, checkpoints=checkpoints)
     finally:
         job.close()
 
