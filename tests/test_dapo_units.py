@@ -499,3 +499,20 @@ def test_warm_start_writes_a_checkpoint_dapo_can_start_from(tmp_path):
     assert whole.keys() == parts.keys() and all(torch.equal(whole[k], parts[k]) for k in whole)
     with pytest.raises(RecipeError, match="--resume: the warm start in .* is finished"):
         write_warm_start(recipe, part, resume=True, log=lambda *_: None)
+
+
+def test_warm_start_evaluates_from_eval_from():
+    """warm_start.eval_from: no evaluation before it, then every eval_every steps, and the last step."""
+    from beam_rl.dapo.warmstart import initial_policy
+    from beam_rl.model.presets import get_preset
+    from beam_rl.tasks.arithmetic import Tokenizer
+
+    recipe = recipe_from_dict({"run": {"seed": 0, "total_steps": 1}, "model": {"preset": "beam-tiny", "init_seed": 0},
+                               "warm_start": {"steps": 7, "batch_size": 4, "target_heldout_avg": 0.9, "eval_every": 2,
+                                              "eval_from": 3}})
+    seen = []
+    _, progress = initial_policy(recipe, get_preset("beam-tiny"), recipe.task.build(), Tokenizer(), log=lambda *_: None,
+                                 evaluate=lambda policy: seen.append(len(seen)) or 0.0)
+    assert [s for s, _ in progress.evals] == [4, 6, 7] and len(seen) == 3
+    with pytest.raises(RecipeError, match="warm_start.eval_from: must be >= 0"):
+        recipe_from_dict({"run": {"total_steps": 1}, "warm_start": {"eval_from": -1}})

@@ -105,6 +105,9 @@ class WarmStartConfig:
     eval_every: int = 50
     """Supervised steps between held-out evaluations when target_heldout_avg is set (a vLLM engine
     on the current weights, sampled as `beam-rl dapo` evaluates)."""
+    eval_from: int = 0
+    """The first step that may be evaluated (then every eval_every steps): a warm start known to
+    reach its target late spends no engine time on evaluations far below it."""
     micro_batch_size: int | None = None
     """Sequences per micro-batch of a supervised step (the gradient accumulated over them); null:
     train.micro_batch_size. Supervised sequences are short, so a step's micro-batches are bound by
@@ -295,6 +298,7 @@ class Recipe:
         target = self.warm_start.target_heldout_avg
         need(target is None or 0 < target <= 1, "warm_start.target_heldout_avg", "must lie in (0, 1] or be null")
         need(self.warm_start.eval_every >= 1, "warm_start.eval_every", "must be >= 1")
+        need(self.warm_start.eval_from >= 0, "warm_start.eval_from", "must be >= 0")
         need(self.rollout.eval_samples >= 1, "rollout.eval_samples", "must be >= 1 (avg@k needs k samples)")
         need(self.rollout.kv_cache_gib > 0, "rollout.kv_cache_gib", "must be > 0 GiB")
         need(0 < self.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "must lie in (0, 1]")

@@ -51,7 +51,7 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
                stop_by: float | None = None) -> WarmStartProgress:
     """Up to `cfg.steps` AdamW steps on random training problems (the policy's optimizer made by
     the caller). With `evaluate` (policy -> avg@k) and `cfg.target_heldout_avg`, every
-    `cfg.eval_every` steps and after the last one the policy is evaluated, and the warm start stops
+    `cfg.eval_every` steps from `cfg.eval_from` and after the last one the policy is evaluated, and the warm start stops
     at the first evaluation that reaches the target. Each step's gradient is accumulated over
     micro-batches of `micro_batch_size` sequences (the recipe's `warm_start.micro_batch_size`, else
     `train.micro_batch_size`).
@@ -71,7 +71,7 @@ def warm_start(policy, task, tokenizer, cfg, *, seed: int, evaluate=None, log=pr
         p.losses.append(policy.supervised_step(*answer_batch(task, tokenizer, problems), micro_batch_size=micro_batch_size))
         p.sampler = rng.getstate()
         trained += time.monotonic() - t0
-        if target is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if target is not None and ((step >= cfg.eval_from and step % cfg.eval_every == 0) or step == cfg.steps):
             t1 = time.monotonic()
             p.evals.append((step, evaluate(policy)))
             log(f"warm start step {step}: loss {p.losses[-1]:.3f}, held-out avg {p.evals[-1][1]:.3f} (target {target}); "
