@@ -58,12 +58,17 @@ def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = Fa
     """`cuda_compiled` for the devices `device_types` (the tests compile on CPU).
 
     Shapes: the trainer's token dimensions change with every micro-batch (rows, padded width). With
-    `unbacked`, a dimension that changes is compiled as an unbacked size (Dynamo's
-    `automatic_dynamic_shapes_mark_as="unbacked"`): no specialisation on 0 / 1 and no guards on its
-    value, so one further compile serves every later shape, where backed sizes recompile whenever a
-    new shape crosses a guard the compiler took from an earlier one (seen on CPU: sizes 1, and
-    thresholds in Inductor's code generation). The setting is swapped in per call (a few us) because
-    Dynamo reads it only while compiling, which happens inside the call. FlexAttention needs backed
+    `unbacked`, they are compiled as unbacked sizes: no specialisation on 0 / 1 and no guards on
+    their value, where backed sizes recompile whenever a new shape crosses a guard the compiler took
+    from an earlier one (seen on CPU: sizes 1, and thresholds in Inductor's code generation). From
+    the first call, every dimension but the last of each argument of two or more dimensions (size > 1)
+    is marked unbacked (on an alias: the mark stays off the caller's tensor), so the first compile
+    already serves rows and widths that change later: compiling static first cost a second compile
+    when the width changed in step 1 and a third when a step's last micro-batch had fewer rows
+    (45 s at DAPO step 7, beam-mini, H200). Dimensions not marked (1-D positions and indices, the
+    last one) become unbacked when a call changes them (Dynamo's
+    `automatic_dynamic_shapes_mark_as="unbacked"`, swapped in per call, a few us, because Dynamo
+    reads it only while compiling, inside the call): one more compile. FlexAttention needs backed
     sizes (with unbacked ones it compiles a new frame on every call): `unbacked=False`."""
     compiled = torch.compile(fn, dynamic=dynamic, options={"emulate_precision_casts": True} if separate_roundings else None)
     config = torch._dynamo.config
@@ -75,6 +80,7 @@ def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = Fa
             return fn(*args, **kwargs)
         if not unbacked:
             return compiled(*args, **kwargs)
+        args = tuple(_leading_dims_unbacked(a) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a for a in args)
         before = config.automatic_dynamic_shapes_mark_as
         config.automatic_dynamic_shapes_mark_as = "unbacked"
         try:
@@ -83,6 +89,15 @@ def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = Fa
             config.automatic_dynamic_shapes_mark_as = before
 
     return run
+
+
+def _leading_dims_unbacked(t: torch.Tensor) -> torch.Tensor:
+    """An alias of t with every dimension but the last (size > 1) marked as an unbacked size."""
+    alias = t.view(t.shape)
+    for d in range(t.dim() - 1):
+        if t.shape[d] > 1:
+            torch._dynamo.decorators.mark_unbacked(alias, d)
+    return alias
 
 
 def _rms_backward(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, eps: float):
