@@ -31,8 +31,9 @@ def _median(values):
     return round(statistics.median(values), 2) if values else None
 
 
-def run_row(run_dir: Path, suite: str, title: str, recipes: str, prov: dict) -> tuple[dict, list[dict]]:
-    """(results.json row, metrics rows) of one run directory."""
+def run_row(run_dir: Path, suite: str, title: str, recipes: str, prov: dict, note: str | None = None) -> tuple[dict, list[dict]]:
+    """(results.json row, metrics rows) of one run directory; `note`: what the numbers alone do not say
+    (why a run falls short of the issue's bars, where it stopped)."""
     run = json.loads((run_dir / "run.json").read_text())
     recipe = run["recipe"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -47,7 +48,7 @@ def run_row(run_dir: Path, suite: str, title: str, recipes: str, prov: dict) -> 
     row = {
         "suite": suite, "title": title, "run": name, "mode": mode, "r3": r3, "steps": steps[-1]["step"] if steps else 0,
         "planned_steps": recipe["run"]["total_steps"],
-        f"avg{k}_before": round(held[0][1], 4), f"avg{k}_after": round(held[-1][1], 4),
+        f"avg{k}_before": round(held[0][1], 4), f"avg{k}_after": round(held[-1][1], 4), "after_step": held[-1][0],
         "gain_points": round(100 * (held[-1][1] - held[0][1]), 1),
         "max_mean_abs_logprob_diff": max(gaps) if gaps else None,
         "gap_bar": GAP_BARS.get(mode) if r3 else None,
@@ -58,6 +59,8 @@ def run_row(run_dir: Path, suite: str, title: str, recipes: str, prov: dict) -> 
         "sync_s": _median(r.get("sync_s") for r in steps), "step_s": _median(r.get("time_s") for r in steps),
         "command": f"beam-rl dapo --recipe {recipes}/{name}.yaml --out RUN_DIR", **prov,
     }
+    if note:
+        row["note"] = note
     return row, rows
 
 
@@ -73,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--via", default="", help="the script that ran the commands, if any")
     ap.add_argument("--warm-start", type=Path, default=None, help="the warm start's warm_start.json (its held-out curve)")
     ap.add_argument("--warm-start-command", default=None, help="the command that wrote it (`beam-rl warm-start ...`)")
+    ap.add_argument("--note", action="append", default=[], metavar="RUN=TEXT",
+                    help="a run's note on its page (why it falls short of a bar, where it stopped); once per run")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write into (default: the repository's)")
     args = ap.parse_args(argv)
     bench, results, figures = args.docs / "bench", args.docs / "results.json", args.docs / "results" / "learning"
@@ -81,9 +86,12 @@ def main(argv=None) -> int:
     from beam_rl.dapo.plot import plot_runs
 
     prov = {"date": args.date, "device": args.device, "commit": args.commit, **({"via": args.via} if args.via else {})}
+    notes = dict(n.split("=", 1) for n in args.note if "=" in n)
+    if len(notes) != len(args.note) or not set(notes) <= {r.name for r in args.runs}:
+        raise SystemExit(f"--note takes RUN=TEXT with RUN one of {sorted(r.name for r in args.runs)}; got {args.note}")
     new = []
     for run_dir in args.runs:
-        row, rows = run_row(run_dir, args.suite, args.title, args.recipes, prov)
+        row, rows = run_row(run_dir, args.suite, args.title, args.recipes, prov, notes.get(run_dir.name))
         head = {"provenance": {k: row[k] for k in ("command", *prov)}, "summary": {"suite": args.suite, "run": row["run"]}}
         out = bench / f"learning_{args.suite}_{row['run']}.jsonl"
         out.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))

@@ -612,15 +612,17 @@ def learning_page(path: Path = LEARNING) -> Page:
                 ("supervised steps", warm["steps"]), ("stops at held-out avg", warm["target_heldout_avg"]),
                 (f"held-out avg@{warm['eval_samples']} on the way", curve)]))
         parts.append(table(f"{suite}: runs", runs, cols(
-            "run", "mode", ("R3", lambda r: "on" if r["r3"] else "off", ""), "steps", "avg@8 before=avg8_before:.3f",
-            "avg@8 after=avg8_after:.3f", "gain, points=gain_points:+.1f", "max per-step |d|=max_mean_abs_logprob_diff:.2e",
+            "run", "mode", ("R3", lambda r: "on" if r["r3"] else "off", ""), ("steps", lambda r: f"{r['steps']} of {r['planned_steps']}", ""),
+            "avg@8 before=avg8_before:.3f", ("avg@8 after (step)", lambda r: f"{r['avg8_after']:.3f} ({r.get('after_step', r['steps'])})", ""), "gain, points=gain_points:+.1f", "max per-step |d|=max_mean_abs_logprob_diff:.2e",
             "bar=gap_bar", "rollout tok/s=rollout_tokens_per_s:,.0f", "train tok/s=train_tokens_per_s:,.0f",
             "rollout s=rollout_s:.1f", "train s=train_s:.1f", "sync s=sync_s:.2f", "step s=step_s:.1f"),
             "Per-phase figures are medians over the run's steps. Every step's metrics: " + ", ".join(
-                f"[{r['run']}](../bench/learning_{suite}_{r['run']}.jsonl)" for r in runs) + "."))
+                f"[{r['run']}](../bench/learning_{suite}_{r['run']}.jsonl)" for r in runs) + "."
+            + "".join(f"\n\n**{r['run']}**: {r['note']}" for r in runs if r.get("note"))))
         by_mode = {r["mode"]: r for r in runs if r["r3"]}
         goals = [(f"{m}: held-out avg@8 up >= 25 points in <= 50 steps", by_mode[m]["gain_points"] >= 25 and by_mode[m]["steps"] <= 50,
-                  f"{by_mode[m]['gain_points']:+.1f} in {by_mode[m]['steps']} steps") for m in ("bf16", "lora", "mxfp8") if m in by_mode]
+                  f"{by_mode[m]['gain_points']:+.1f} at step {by_mode[m].get('after_step', by_mode[m]['steps'])}")
+                 for m in ("bf16", "lora", "mxfp8") if m in by_mode]
         ends = [by_mode[m]["avg8_after"] for m in ("bf16", "lora", "mxfp8") if m in by_mode]
         if len(ends) > 1:
             goals.append(("the modes end within 5 points of each other", 100 * (max(ends) - min(ends)) <= 5,

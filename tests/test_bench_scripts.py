@@ -209,11 +209,12 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     prov = ["--device", "CPU", "--date", "2026-12-05", "--commit", "abc1234"]
     assert learning_report.main([str(runs[1]), "--suite", "other", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs), *prov]) == 0
     assert learning_report.main([*map(str, runs), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs),
-                                 "--warm-start", str(tmp_path / "warm_start.json"), *prov]) == 0
+                                 "--warm-start", str(tmp_path / "warm_start.json"), "--note", "bf16=why it stopped", *prov]) == 0
     data = json.loads((docs / "results.json").read_text())
     assert [r["suite"] for r in data["runs"]] == ["other", "math-test", "math-test"]
     bf16, off = data["runs"][1:]
     assert (bf16["mode"], bf16["r3"], bf16["steps"], bf16["avg8_before"], bf16["avg8_after"]) == ("bf16", True, 2, 0.25, 0.55)
+    assert bf16["after_step"] == 2 and bf16["note"] == "why it stopped" and "note" not in off
     assert bf16["gain_points"] == 30.0 and bf16["max_mean_abs_logprob_diff"] == 2e-3 and bf16["gap_bar"] == 0.005
     assert off["r3"] is False and off["gap_bar"] is None
     assert bf16["command"] == "beam-rl dapo --recipe recipes/math/bf16.yaml --out RUN_DIR" and bf16["device"] == "CPU"
@@ -225,10 +226,14 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
 
     body, headline, where = render_results.learning_page(docs / "results.json")
     assert "| bf16: per-step gap <= 0.005 at every step | max 2.00e-03 | met |" in body
-    assert "| bf16: held-out avg@8 up >= 25 points in <= 50 steps | +30.0 in 2 steps | met |" in body
+    assert "| bf16: held-out avg@8 up >= 25 points in <= 50 steps | +30.0 at step 2 | met |" in body
+    assert "| bf16 | bf16 | on | 2 of 50 | 0.250 | 0.550 (2) |" in body and "**bf16**: why it stopped" in body
     assert "| without R3 the gap is larger | max 6.00e-03 vs 2.00e-03 with R3 | met |" in body
     assert headline == "other: held-out avg@8 no-r3 +15.0 points; math-test: held-out avg@8 bf16 +30.0, no-r3 +15.0 points"
     assert where == "CPU, 2026-12-05"
+    with pytest.raises(SystemExit, match="--note takes RUN=TEXT with RUN one of"):
+        learning_report.main([str(runs[0]), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs),
+                              "--note", "lora=not a run here", *prov])
     (runs[0] / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.0}\n')  # resumed past step 0: nothing to compare with
     with pytest.raises(SystemExit, match="no step-0 held-out"):
         learning_report.main([str(runs[0]), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs), *prov])
