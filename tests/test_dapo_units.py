@@ -382,8 +382,14 @@ def test_resumed_metrics_hold_each_step_once(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    from torch.utils.tensorboard import SummaryWriter
+
     from beam_rl.dapo.metrics import MetricsWriter, read_metrics
 
+    for i in range(1000):  # TensorBoard numbers a process's writers in its file names: the two below cross a digit (".9", ".10")
+        SummaryWriter(str(tmp_path / "other" / str(i))).close()
+        if set(str(int(next((tmp_path / "other" / str(i)).iterdir()).name.split(".")[-1]) + 1)) == {"9"}:
+            break
     first = MetricsWriter(tmp_path)
     for step in (1, 2, 3):  # a run killed after step 3, its checkpoint at step 1
         first.write({"step": step, "reward_mean": float(step)})

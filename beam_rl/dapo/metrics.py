@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
+
+
+def _after_earlier_event_files(tb_dir: Path) -> None:
+    """Wait, if needed, until an event file created now sorts after those in `tb_dir`. TensorBoard
+    reads a directory's files in name order and purges on resume only from later files; names are
+    `events.out.tfevents.<10-digit second>.<host>.<pid>.<writer count>`, and within one second and
+    process a 10th writer's name sorts before the 9th's (".10" < ".9"): its steps would be the
+    ones purged (seen in one pytest process)."""
+    seconds = [int(p.name.split(".")[3]) for p in tb_dir.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()]
+    while seconds and time.time() < max(seconds) + 1:
+        time.sleep(0.05)
 
 
 class MetricsWriter:
@@ -22,6 +34,8 @@ class MetricsWriter:
 
                 # on resume, drop the events after the checkpoint: the steps are recomputed and written again
                 purge = None if resume_step is None else resume_step + 1
+                if purge is not None:
+                    _after_earlier_event_files(Path(run_dir) / "tb")
                 self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge)
             except ImportError:  # tensorboard not installed: jsonl only
                 self.tb = None
