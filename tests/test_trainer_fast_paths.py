@@ -11,7 +11,7 @@
 - the MXFP8 scale exponent from the binary exponent equals ceil(log2) away from its rounding edge
   and is exact at it;
 - the compile policy of the CUDA-compiled backwards (`fused.compiled_on`, here compiled for CPU):
-  micro-batch shapes that change every step compile twice in all, not once per new shape.
+  micro-batch shapes that change every step compile once in all, not once per new shape.
 The CUDA kernels behind them (Triton forward, compiled backward, FlexAttention, the grouped GEMM and
 the FP32-output LM head) are checked on the H200 by tests/gpu/test_trainer_gpu.py.
 """
@@ -144,25 +144,57 @@ def test_flash_block_mask_keeps_the_visibility_rule():
             assert err <= 2e-2, (window, row, err)  # BF16 P and output vs the FP64 spec
 
 
-def test_compiled_backward_compiles_once_for_every_shape():
+def _backward_calls(name: str, rows: int, width: int, gen: torch.Generator) -> list[tuple]:
+    """The calls (argument tuples) of a compiled backward for a [width, rows] micro-batch, shaped as
+    the trainer makes them."""
+    from beam_rl.megatron import router
+
+    r = lambda *shape: torch.randn(*shape, generator=gen).to(BF16)  # noqa: E731
+    tokens, heads, d, k, experts = rows * width, 4, 16, 4, 8
+    if name in ("_qk_ssmax_bwd", "_qk_rope_bwd"):
+        q, kk = r(tokens, heads, d), r(tokens, 1, d)
+        positions = torch.randint(0, 512, (tokens,), generator=gen)
+        cache = torch.rand(512, generator=gen) if name == "_qk_ssmax_bwd" else torch.randn(512, d, generator=gen)
+        return [(q, kk, r(d), r(d), positions, cache, r(tokens, heads, d), r(tokens, 1, d), 1e-6)]
+    if name == "_combine_bwd":
+        routing_map = torch.zeros(tokens, experts, dtype=torch.bool)
+        routing_map.scatter_(1, torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices, True)
+        token_index, slots, slot_of_row, _ = router.routing_slots(routing_map, k)
+        return [(r(tokens, 32), r(tokens * k, 32), torch.rand(tokens, k, generator=gen), slots, token_index, slot_of_row)]
+    if name == "_silu_and_mul_bwd":  # the experts' permuted rows [tokens * k, 2f], then the dense MLP's [s, b, 2f]
+        return [(r(tokens * k, 64), r(tokens * k, 32)), (r(width, rows, 64), r(width, rows, 32))]
+    if name == "_boundary_bwd":
+        x = r(width, rows, 32)
+        return [(x, r(width, rows, 32), r(32), r(32), torch.tensor([0.5, 2.0]), r(width, rows, 32), r(width, rows, 32), 1e-6)]
+    return [(r(width, rows, 32), r(32), r(width, rows, 32), 1e-6)]  # _rms_norm_bwd
+
+
+@pytest.mark.parametrize("name", ["_rms_norm_bwd", "_boundary_bwd", "_qk_rope_bwd", "_qk_ssmax_bwd", "_silu_and_mul_bwd",
+                                  "_combine_bwd"])
+def test_compiled_backward_compiles_once_for_every_shape(name):
     """The trainer's [tokens, batch, hidden] micro-batches change width every micro-batch and rows
-    when a step's last micro-batch is short: the first shape compiles a shape-generic graph and no
-    later shape (a single row included) compiles again."""
+    when a step's last micro-batch is short (the shapes of DAPO steps 1 and 7 on beam-mini): the
+    first shape compiles one shape-generic graph per call site without a graph break (positions and
+    permutation indices included), and no later shape (a single row included) compiles again."""
     from torch._dynamo.utils import counters
 
-    rms_bwd = fused.compiled_on(("cpu",), fused._rms_backward)
+    from beam_rl.megatron import router
+
+    eager = getattr(fused, name, None) or getattr(router, name)
+    compiled = fused.compiled_on(("cpu",), eager.__wrapped__)
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(32, generator=gen).to(BF16)
-    graphs = []
-    for s, b in [(135, 32), (139, 32), (243, 16), (40, 3), (12, 1), (64, 9)]:
-        x, g = (torch.randn(s, b, 32, generator=gen).to(BF16) for _ in range(2))
+    graphs, breaks = [], sum(counters["graph_break"].values())
+    for rows, width in [(32, 141), (32, 205), (16, 243), (3, 40), (1, 12), (9, 64)]:
+        calls = _backward_calls(name, rows, width, gen)
         before = counters["stats"]["unique_graphs"]
-        got = rms_bwd(x, w, g, 1e-6)
+        for args in calls:
+            for a, e in zip(compiled(*args), eager.__wrapped__(*args), strict=True):
+                if e is not None:
+                    torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * e.float().abs().max().item())
         graphs.append(counters["stats"]["unique_graphs"] - before)
-        for a, e in zip(got, fused._rms_backward(x, w, g, 1e-6), strict=True):
-            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
-    assert graphs == [1, 0, 0, 0, 0, 0], graphs
-    assert not hasattr(x, "_dynamo_unbacked_indices")  # the marks are on an alias, not on the caller's tensor
+    assert graphs == [len(calls), 0, 0, 0, 0, 0], graphs
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+    assert not any(hasattr(a, "_dynamo_unbacked_indices") for a in args if isinstance(a, torch.Tensor))  # marks on aliases
 
 
 def test_trainer_attention_choice():

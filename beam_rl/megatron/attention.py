@@ -128,7 +128,8 @@ def _block_mask(positions: torch.Tensor, window: int | None):
 
     b, s = positions.shape
     build = _create_block_mask_compiled() if positions.is_cuda else create_block_mask
-    mask = build(visible, b, None, s, s, device=positions.device)
+    with torch.no_grad():  # a mask has no gradient: one compiled graph for the training and the no-grad forwards
+        mask = build(visible, b, None, s, s, device=positions.device)
     _BLOCK_MASKS[:] = [m for m in _BLOCK_MASKS if m[0] is positions][-1:] + [(positions, positions._version, window, mask)]
     return mask
 

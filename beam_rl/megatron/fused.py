@@ -61,12 +61,13 @@ def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = Fa
     `unbacked`, they are compiled as unbacked sizes: no specialisation on 0 / 1 and no guards on
     their value, where backed sizes recompile whenever a new shape crosses a guard the compiler took
     from an earlier one (seen on CPU: sizes 1, and thresholds in Inductor's code generation). From
-    the first call, every dimension but the last of each argument of two or more dimensions (size > 1)
-    is marked unbacked (on an alias: the mark stays off the caller's tensor), so the first compile
+    the first call, the token dimensions of every argument (`_token_dims_unbacked`: size > 1) are
+    marked unbacked (on an alias: the mark stays off the caller's tensor), so the first compile
     already serves rows and widths that change later: compiling static first cost a second compile
     when the width changed in step 1 and a third when a step's last micro-batch had fewer rows
-    (45 s at DAPO step 7, beam-mini, H200). Dimensions not marked (1-D positions and indices, the
-    last one) become unbacked when a call changes them (Dynamo's
+    (45 s at DAPO step 7, beam-mini, H200). The 1-D integer arguments count: a static positions
+    [tokens] broadcast against a marked q [tokens, heads, D] pins q's tokens to its size. Dimensions
+    not marked (the last, 1-D floats) become unbacked when a call changes them (Dynamo's
     `automatic_dynamic_shapes_mark_as="unbacked"`, swapped in per call, a few us, because Dynamo
     reads it only while compiling, inside the call): one more compile. FlexAttention needs backed
     sizes (with unbacked ones it compiles a new frame on every call): `unbacked=False`."""
@@ -80,7 +81,7 @@ def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = Fa
             return fn(*args, **kwargs)
         if not unbacked:
             return compiled(*args, **kwargs)
-        args = tuple(_leading_dims_unbacked(a) if isinstance(a, torch.Tensor) and a.dim() >= 2 else a for a in args)
+        args = tuple(_token_dims_unbacked(a) if isinstance(a, torch.Tensor) else a for a in args)
         before = config.automatic_dynamic_shapes_mark_as
         config.automatic_dynamic_shapes_mark_as = "unbacked"
         try:
@@ -91,12 +92,16 @@ def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = Fa
     return run
 
 
-def _leading_dims_unbacked(t: torch.Tensor) -> torch.Tensor:
-    """An alias of t with every dimension but the last (size > 1) marked as an unbacked size."""
+def _token_dims_unbacked(t: torch.Tensor) -> torch.Tensor:
+    """An alias of t with its token dimensions (size > 1) marked as unbacked sizes: every dimension
+    but the last, and the one dimension of a 1-D integer tensor (positions, permutation indices)."""
+    dims = range(t.dim() - 1) if t.dim() >= 2 else range(t.dim()) if not t.is_floating_point() else ()
+    dims = [d for d in dims if t.shape[d] > 1]
+    if not dims:
+        return t
     alias = t.view(t.shape)
-    for d in range(t.dim() - 1):
-        if t.shape[d] > 1:
-            torch._dynamo.decorators.mark_unbacked(alias, d)
+    for d in dims:
+        torch._dynamo.decorators.mark_unbacked(alias, d)
     return alias
 
 
@@ -132,8 +137,8 @@ def _boundary_bwd(x, h_new, wp, wn, scales, g_h, g_next, eps: float):
 def _rope_backward(g: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
     """The transpose of `numerics.apply_rope`'s rotation (neox halves) applied to g [T, heads, D]."""
     half = g.shape[-1] // 2
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos_sin = cos_sin_cache[positions][:, None, :]
+    cos, sin = cos_sin[..., :half], cos_sin[..., half:]  # slices, not chunk: chunk of an unbacked size breaks the graph
     g = g.float()
     g1, g2 = g[..., :half], g[..., half:]
     return torch.cat([g1 * cos + g2 * sin, g2 * cos - g1 * sin], dim=-1)
@@ -165,7 +170,8 @@ def _output_gate_bwd(attn, gate, bias, g_out):
 
 @cuda_compiled
 def _silu_and_mul_bwd(gate_up, g_out):
-    g, u = gate_up.float().chunk(2, dim=-1)
+    half = gate_up.shape[-1] // 2
+    g, u = gate_up[..., :half].float(), gate_up[..., half:].float()  # slices, not chunk (see _rope_backward)
     go = g_out.float()
     s = torch.sigmoid(g)
     return torch.cat([go * u * s * (1 + g * (1 - s)), go * g * s], dim=-1)

@@ -31,7 +31,9 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, tempera
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     temperature = temperature if mode == "processed" else 1.0
-    return _logprobs_fused(logits, targets, temperature)
+    # flat [tokens, V] and [tokens]: targets' token dimensions are then marked unbacked with the logits'
+    # (`fused.compiled_on`), where a static [B, T] would pin them to the first batch's width
+    return _logprobs_fused(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature).view(targets.shape)
 
 
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:

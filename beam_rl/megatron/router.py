@@ -149,7 +149,7 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weights, slots, token_index, slot_of_row):
         ctx.save_for_backward(y, weights, slots, token_index, slot_of_row)
-        return _combine_fwd(y, slots, weights)
+        return _combine_fwd(y.detach(), slots, weights.detach())  # one graph: the autograd flags of the training forward are no guard
 
     @staticmethod
     def backward(ctx, g):
