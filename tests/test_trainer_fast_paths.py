@@ -163,6 +163,8 @@ def _backward_calls(name: str, rows: int, width: int, gen: torch.Generator) -> l
         return [(r(tokens, 32), r(tokens * k, 32), torch.rand(tokens, k, generator=gen), slots, token_index, slot_of_row)]
     if name == "_silu_and_mul_bwd":  # the experts' permuted rows [tokens * k, 2f], then the dense MLP's [s, b, 2f]
         return [(r(tokens * k, 64), r(tokens * k, 32)), (r(width, rows, 64), r(width, rows, 32))]
+    if name == "_logprobs_fused":  # logits[:, :-1] of a [rows, width + 1, V] forward, the targets as a column
+        return [(r(rows, width + 1, 64)[:, :-1], torch.randint(0, 64, (rows, width, 1), generator=gen), 1.0)]
     if name == "_boundary_bwd":
         x = r(width, rows, 32)
         return [(x, r(width, rows, 32), r(32), r(32), torch.tensor([0.5, 2.0]), r(width, rows, 32), r(width, rows, 32), 1e-6)]
@@ -170,17 +172,17 @@ def _backward_calls(name: str, rows: int, width: int, gen: torch.Generator) -> l
 
 
 @pytest.mark.parametrize("name", ["_rms_norm_bwd", "_boundary_bwd", "_qk_rope_bwd", "_qk_ssmax_bwd", "_silu_and_mul_bwd",
-                                  "_combine_bwd"])
-def test_compiled_backward_compiles_once_for_every_shape(name):
+                                  "_combine_bwd", "_logprobs_fused"])
+def test_compiled_trainer_ops_compile_once_for_every_shape(name):
     """The trainer's [tokens, batch, hidden] micro-batches change width every micro-batch and rows
     when a step's last micro-batch is short (the shapes of DAPO steps 1 and 7 on beam-mini): the
     first shape compiles one shape-generic graph per call site without a graph break (positions and
     permutation indices included), and no later shape (a single row included) compiles again."""
     from torch._dynamo.utils import counters
 
-    from beam_rl.megatron import router
+    from beam_rl.megatron import logprobs, router
 
-    eager = getattr(fused, name, None) or getattr(router, name)
+    eager = next(getattr(m, name) for m in (fused, router, logprobs) if hasattr(m, name))
     compiled = fused.compiled_on(("cpu",), eager.__wrapped__)
     gen = torch.Generator().manual_seed(0)
     graphs, breaks = [], sum(counters["graph_break"].values())

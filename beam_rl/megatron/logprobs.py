@@ -31,16 +31,16 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, tempera
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     temperature = temperature if mode == "processed" else 1.0
-    # flat [tokens, V] and [tokens]: targets' token dimensions are then marked unbacked with the logits'
-    # (`fused.compiled_on`), where a static [B, T] would pin them to the first batch's width
-    return _logprobs_fused(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), temperature).view(targets.shape)
+    # targets as a column [..., 1]: its token dimensions are then marked unbacked with the logits'
+    # (`fused.compiled_on`: all but the last), where [B, T] would pin T to the first batch's width
+    return _logprobs_fused(logits, targets.unsqueeze(-1), temperature)
 
 
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def _logprobs(logits: torch.Tensor, target_column: torch.Tensor, temperature: float) -> torch.Tensor:
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, target_column.long()).squeeze(-1)
 
 
 _logprobs_fused = cuda_compiled(_logprobs)  # CUDA: one fused pass over the [tokens, vocab] logits each way

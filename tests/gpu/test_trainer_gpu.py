@@ -146,7 +146,7 @@ def test_compiled_logprobs_equal_eager():
     targets = torch.randint(0, 32768, (4, 512), generator=gen, device="cuda")
     for mode, temp in (("raw", 1.0), ("processed", 0.7)):
         got = logprobs_from_logits(logits, targets, temperature=temp, mode=mode)
-        want = _logprobs(logits, targets, temp if mode == "processed" else 1.0)
+        want = _logprobs(logits, targets.unsqueeze(-1), temp if mode == "processed" else 1.0)
         assert (got - want).abs().max().item() < 1e-4
 
 
