@@ -82,10 +82,13 @@ def test_dynamic_sampling_drops_uniform_groups_and_caps_rounds():
     s = DynamicSampler(target=2, max_extra_rounds=1, oversample_factor=2.0)
     assert s.need() == 2
     s.add(["a", "b"], [[1, 1], [0, 1]])  # a is all-correct: dropped
-    assert s.kept == ["b"] and s.need() == 2  # ceil(1 missing * 2)
+    assert s.kept == ["b"] and s.need() == 4  # ceil(1 missing / 1 kept in 2 * 2): one round at the rate seen fills it
     s.add(["c", "d"], [[0, 0], [0, 0]])
     assert s.kept == ["b"] and s.need() == 0  # the cap on extra rounds ends the step with what it has
     assert s.kept_fraction == pytest.approx(1 / 4)
+    none_kept = DynamicSampler(target=4, max_extra_rounds=3, oversample_factor=1.25)
+    none_kept.add(list("abcd"), [[0, 0]] * 4)
+    assert none_kept.need() == 20  # nothing kept yet: sized at the floor rate 1/4, ceil(4 / 0.25 * 1.25)
     full = DynamicSampler(target=1, max_extra_rounds=3)
     full.add(["x", "y"], [[0, 1], [1, 0]])
     assert full.kept == ["x"] and full.need() == 0  # batch full: no extra round, extras dropped

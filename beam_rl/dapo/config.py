@@ -180,8 +180,9 @@ class DapoConfig:
     """Drop all-correct / all-wrong groups and refill by over-sampling."""
     max_extra_rounds: int = 3
     """Cap on extra generation rounds per step for dynamic sampling."""
-    oversample_factor: float = 2.0
-    """Each extra round samples ceil(missing groups * factor) prompts."""
+    oversample_factor: float = 1.25
+    """Each extra round samples ceil(missing groups / kept rate so far * factor) prompts: the factor
+    is the margin over the expected need (`beam_rl.dapo.sampling`)."""
     updates_per_step: int = 1
     """Optimizer updates per step (the batch is split into this many mini-batches)."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
