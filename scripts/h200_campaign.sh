@@ -60,7 +60,7 @@
 #   math_wait      waits for math_warm's checkpoint (another lane's, SHARE_GPU=1: "math_warm math_bf16" "math_wait math_no-r3"),
 #                  then (at most 300 s) for another math stage's DAPO engine to start (its log's "rollout attention
 #                  numerics" line): two engines started together were still compiling after 205 s (H100)
-#   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (also math_lora, math_mxfp8, math_no-r3): the
+#   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (math_NAME: recipes/math/NAME.yaml, e.g. lora, mxfp8, no-r3): the
 #                  learning runs from that warm start, 50 steps, each call's part ended with a checkpoint
 #                  before its time runs out (MATH_KEEP_S s kept to write it, default 90) and resumed by the next
 #                  call; MATH_LAST_CALL=1 (a machine's last call): no checkpoint at all (--no-checkpoints: ~16 GB
@@ -117,10 +117,10 @@ stage_cmd() {
     skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports ${SKYRL_ARGS:-}; rc=\$?; ray stop --force >/dev/null 2>&1; exit \$rc" ;;
     math_warm) w=$WORK/ckpt/math-mini-warm  # $2: the stage's seconds; MATH_KEEP_S of them kept for writing a resumable checkpoint
       echo "[ -f $w/warm_start.json ] && exit 0; TORCH_LOGS=recompiles python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $w \$( [ -d $w/checkpoints ] && echo --resume || echo --overwrite ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )) && { [ ! -f $w/warm_start.json ] || cp $w/warm_start.json $OUT/; }" ;;
-    math_bf16|math_lora|math_mxfp8|math_no-r3) m=${1#math_}; r=$WORK/runs/math-$m
+    math_wait) echo "wait_until 'the warm start' 86400 'test -f $WORK/ckpt/math-mini-warm/warm_start.json'; wait_until \"the other lane's DAPO engine\" 300 'grep -qs \"rollout attention numerics\" $OUT/math_*.log'" ;;
+    math_*) m=${1#math_}; r=$WORK/runs/math-$m  # any DAPO recipe of recipes/math/ (bf16, lora, mxfp8, no-r3, variants)
       # a finished run's checkpoint goes (16 GB; the disk holds few), its metrics stay: --resume then does nothing
       echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} ))${MATH_LAST_CALL:+ --no-checkpoints}; rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; python3 -c \"import sys; from beam_rl.dapo.config import load_recipe; from beam_rl.dapo.rundir import finished; sys.exit(not finished('$r', load_recipe('$REPO/recipes/math/$m.yaml').run.total_steps))\" && rm -rf $r/checkpoints; exit \$rc" ;;
-    math_wait) echo "wait_until 'the warm start' 86400 'test -f $WORK/ckpt/math-mini-warm/warm_start.json'; wait_until \"the other lane's DAPO engine\" 300 'grep -qs \"rollout attention numerics\" $OUT/math_*.log'" ;;
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;
     drafter) echo "rm -rf $WORK/drafter-math && python3 -m beam_rl.cli train-drafter --checkpoint $WORK/ckpt/math-mini-warm --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $WORK/drafter-math --generate-with vllm ${DRAFTER_ARGS:-} && cp $WORK/drafter-math/train_drafter.json $OUT/" ;;
