@@ -82,7 +82,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_caps_rounds():
     s = DynamicSampler(target=2, max_extra_rounds=1, oversample_factor=2.0)
     assert s.need() == 2
     s.add(["a", "b"], [[1, 1], [0, 1]])  # a is all-correct: dropped
-    assert s.kept == ["b"] and s.need() == 4  # ceil(1 missing / 1 kept in 2 * 2): one round at the rate seen fills it
+    assert s.kept == ["b"] and s.need() == 4  # ceil(1 missing / (1 kept of 2 seen) * 2): one round at the rate seen fills it
     s.add(["c", "d"], [[0, 0], [0, 0]])
     assert s.kept == ["b"] and s.need() == 0  # the cap on extra rounds ends the step with what it has
     assert s.kept_fraction == pytest.approx(1 / 4)
