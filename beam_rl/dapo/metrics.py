@@ -13,7 +13,8 @@ def _after_earlier_event_files(tb_dir: Path) -> None:
     `events.out.tfevents.<10-digit second>.<host>.<pid>.<writer count>`, and within one second and
     process a 10th writer's name sorts before the 9th's (".10" < ".9"): its steps would be the
     ones purged (seen in one pytest process)."""
-    seconds = [int(p.name.split(".")[3]) for p in tb_dir.glob("events.out.tfevents.*") if p.name.split(".")[3].isdigit()]
+    stamps = [p.name.split(".")[3] for p in tb_dir.glob("events.out.tfevents.*")]
+    seconds = [int(s) for s in stamps if s.isdigit()]
     while seconds and time.time() < max(seconds) + 1:
         time.sleep(0.05)
 

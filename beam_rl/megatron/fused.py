@@ -95,8 +95,8 @@ def compiled_on(device_types: tuple[str, ...], fn, separate_roundings: bool = Fa
 def _token_dims_unbacked(t: torch.Tensor) -> torch.Tensor:
     """An alias of t with its token dimensions (size > 1) marked as unbacked sizes: every dimension
     but the last, and the one dimension of a 1-D integer tensor (positions, permutation indices)."""
-    dims = range(t.dim() - 1) if t.dim() >= 2 else range(t.dim()) if not t.is_floating_point() else ()
-    dims = [d for d in dims if t.shape[d] > 1]
+    token_dims = t.dim() if t.dim() == 1 and not t.is_floating_point() else t.dim() - 1
+    dims = [d for d in range(token_dims) if t.shape[d] > 1]
     if not dims:
         return t
     alias = t.view(t.shape)
