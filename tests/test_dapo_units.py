@@ -122,6 +122,7 @@ def test_recipe_unknown_key_and_bad_values_name_the_field(tmp_path):
         ({"model": {"checkpoint": str(tmp_path / "none")}}, "model.checkpoint: .* has no config.json"),
         ({"dapo": {"enable": True}}, "unknown recipe key 'dapo.enable'"),
         ({"train": {"betas": [0.9]}}, r"train.betas: expected a list of 2 numbers"),
+        ({"train": {"mode": "lora", "lora": {"experts": True}}}, r"train.lora.experts: .* set train.lora.merge: true"),
         ({"warm_start": {"micro_batch_size": 0}}, "warm_start.micro_batch_size: must be >= 1, or null for train.micro_batch_size"),
     ):
         with pytest.raises(RecipeError, match=message):

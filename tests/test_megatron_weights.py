@@ -81,12 +81,18 @@ def test_conversion_errors_name_the_tensor(world, tiny_model, tiny_config):
         hf_to_megatron(hf, tiny_config)
 
 
-def test_lora_peft_roundtrip(world, tiny_config, tmp_path):
+@pytest.mark.parametrize("experts", [False, True], ids=["attention-and-dense", "with-experts"])
+def test_lora_peft_roundtrip(world, tiny_config, tmp_path, experts):
+    """The Megatron adapters saved in PEFT's format: PEFT on the reference model computes the same
+    logits, and the merged export is PEFT's merge (the routed experts' adapters included)."""
     peft = pytest.importorskip("peft")
     ref = build_model(tiny_config, seed=0, dtype=torch.float32)
     model = build(tiny_config, ref, "fp32")
-    adapted = lora.add_lora(model, r=4, alpha=8)
-    assert len(adapted) == 5 * tiny_config.num_hidden_layers + 2  # attention x5 per layer + dense fc1/fc2
+    adapted = lora.add_lora(model, r=4, alpha=8, targets=lora.DEFAULT_TARGETS + (lora.EXPERT_TARGETS if experts else ()))
+    moe_layers = tiny_config.mlp_layer_types.count("sparse")
+    # attention x5 per layer + dense fc1/fc2 (+ fc1/fc2 of every routed expert)
+    assert len(adapted) == 5 * tiny_config.num_hidden_layers + 2 * (tiny_config.num_hidden_layers - moe_layers) + (
+        2 * tiny_config.num_experts * moe_layers if experts else 0)
     assert all(not p.requires_grad or ".lora." in n for n, p in model.named_parameters())
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -96,7 +102,7 @@ def test_lora_peft_roundtrip(world, tiny_config, tmp_path):
     lora.save_peft_adapter(model, tmp_path, tiny_config, r=4, alpha=8)
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and "model.layers.0.mlp.up_proj" in cfg["target_modules"]
-    assert not any("experts" in m for m in cfg["target_modules"])
+    assert any("experts" in m for m in cfg["target_modules"]) == experts
     lc = peft.LoraConfig.from_pretrained(str(tmp_path))
     lc.task_type = None  # the reference is not a GenerationMixin; vLLM reads the saved CAUSAL_LM config
     peft_model = peft.PeftModel.from_pretrained(ref, str(tmp_path), config=lc)
@@ -110,8 +116,13 @@ def test_lora_peft_roundtrip(world, tiny_config, tmp_path):
         # merged full weights == PEFT's merge
         merged = dict(lora.export_merged(export_hf(model, tiny_config), model))
         peft_merged = peft_model.merge_and_unload().state_dict()
-    name = "model.layers.3.self_attn.gate_proj.weight"
-    torch.testing.assert_close(merged[name], peft_merged[name], atol=1e-6, rtol=1e-6)
+    names = ["model.layers.3.self_attn.gate_proj.weight"]
+    if experts:
+        last = tiny_config.num_experts - 1
+        names += [f"model.layers.1.mlp.experts.{last}.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+        assert not torch.equal(merged[names[-1]], dict(export_hf(model, tiny_config))[names[-1]])  # the delta is there
+    for name in names:
+        torch.testing.assert_close(merged[name], peft_merged[name], atol=1e-6, rtol=1e-6)
 
 
 def test_mxfp8_quantizer_format():

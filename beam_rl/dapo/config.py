@@ -196,7 +196,11 @@ class LoraConfig:
     alpha: float = 16.0
     """LoRA alpha (scaling alpha / r)."""
     merge: bool = False
-    """Sync merged full weights instead of the adapter."""
+    """Sync merged full weights instead of the adapter (the trainer then computes with those weights:
+    `beam_rl.megatron.lora`)."""
+    experts: bool = False
+    """Adapters on every routed expert's gate/up/down projections too (RL with LoRA keeps up with full
+    fine-tuning when the MLPs, in an MoE the experts, are adapted); served merged (needs merge: true)."""
 
 
 @dataclass
@@ -315,6 +319,8 @@ class Recipe:
         need(self.train.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0: off)")
         need(self.train.lora.r >= 1, "train.lora.r", "must be >= 1")
         need(self.train.lora.alpha > 0, "train.lora.alpha", "must be > 0")
+        need(not self.train.lora.experts or self.train.lora.merge, "train.lora.experts",
+             "expert adapters are served merged into the weights: set train.lora.merge: true too")
         from beam_rl.tasks.arithmetic import Tokenizer
 
         try:

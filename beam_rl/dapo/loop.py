@@ -201,7 +201,8 @@ class Job:
         else:
             self.policy, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
         if self.lora:
-            self.policy.add_lora(r.train.lora.r, r.train.lora.alpha, seed=r.run.seed)
+            self.policy.add_lora(r.train.lora.r, r.train.lora.alpha, seed=r.run.seed, experts=r.train.lora.experts,
+                                 merged=r.train.lora.merge)
         self.policy.make_optimizer(lr=r.train.lr, betas=r.train.betas, weight_decay=r.train.weight_decay, grad_clip=r.train.grad_clip)
         if ckpt is not None:
             self.policy.load_optimizer_state(state["optimizer"])

@@ -244,8 +244,10 @@ class TrainerBackend(ABC):
         """Define attention as the rollout engine computes it (`RolloutEngine.attention_numerics`)."""
 
     @abstractmethod
-    def add_lora(self, r: int, alpha: float, seed: int) -> None:
-        """Attach seeded LoRA adapters and freeze the base."""
+    def add_lora(self, r: int, alpha: float, seed: int, *, experts: bool = False, merged: bool = False) -> None:
+        """Attach seeded LoRA adapters (attention and dense MLPs; with `experts` every routed expert's
+        too) and freeze the base; `merged`: the trainer computes with the merged weights (the engine is
+        served those, not the adapter)."""
 
     @abstractmethod
     def make_optimizer(self, *, lr: float, betas=(0.9, 0.98), weight_decay: float = 0.0, grad_clip: float = 0.0) -> None:

@@ -91,12 +91,13 @@ class MegatronTrainer(TrainerBackend):
 
         set_attention_numerics(self.model, kernel, self.attention)
 
-    def add_lora(self, r: int, alpha: float, seed: int) -> None:
-        from beam_rl.megatron.lora import add_lora
+    def add_lora(self, r: int, alpha: float, seed: int, *, experts: bool = False, merged: bool = False) -> None:
+        from beam_rl.megatron.lora import DEFAULT_TARGETS, EXPERT_TARGETS, add_lora
 
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            add_lora(self.model, r=r, alpha=alpha)
+            add_lora(self.model, r=r, alpha=alpha, targets=DEFAULT_TARGETS + EXPERT_TARGETS if experts else DEFAULT_TARGETS,
+                     merged=merged)
         self.lora_settings = (r, alpha)
 
     def make_optimizer(self, *, lr, betas=(0.9, 0.98), weight_decay=0.0, grad_clip=0.0) -> None:

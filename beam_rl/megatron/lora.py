@@ -1,9 +1,13 @@
 """LoRA on the Megatron Beam model, saved in PEFT's directory format (what vLLM loads).
 
-Targets: attention q/k/v/gate/o projections and the dense MLP (gate/up/down); the fused fc1 gets
-two adapters (gate, up) so each matches one HF module. Adapters hang off the existing Megatron
-linear modules (`module.lora`, applied by a forward hook), so parameter names of the base model,
-HF conversion and export are unchanged.
+Targets: attention q/k/v/gate/o projections and the dense MLP (gate/up/down), and with
+`EXPERT_TARGETS` every routed expert's gate/up/down; a fused fc1 gets two adapters (gate, up) so each
+matches one HF module. Adapters hang off the existing Megatron linear modules (`module.lora`, applied
+by a forward hook; the experts' grouped GEMM path applies them as grouped GEMMs, `grouped_delta`), so
+parameter names of the base model, HF conversion and export are unchanged. RL with LoRA keeps up
+with full fine-tuning only when the MLPs are adapted ("LoRA Without Regret", Thinking Machines,
+2025); in an MoE most MLP weights are experts. vLLM serves the experts' adapters merged into the
+weights (`export_merged`): its LoRA path does not cover a custom model's experts on every runner.
 
 Numerics: the served adapter's arithmetic (vLLM with `enable_lora`, `lora_dtype="auto"`), one contract
 for trainer and rollout. With `rnd` = round to the base layer's output dtype (BF16 under BF16
@@ -22,9 +26,15 @@ buffer cast to B's dtype (CAST_TYPE), FP32 `tl.dot` accumulator cast to B's dtyp
 loaded output tile and stored) round at exactly these points; only the FP32 accumulation order of
 the two GEMMs differs between engines. The roundings are straight-through (`_RoundSTE`: forward
 rounds, backward is the identity), so A and B get the FP32 gradient of
-`base(x) + scaling * (x A^T) B^T`; A and B stay FP32 parameters under BF16 wrapping. The merged
-full-weight path (`merged_hf_deltas` / `export_merged`) is a different definition (FP32 delta added to
-the weight, rounded once) used only when the adapter is merged into the served weights.
+`base(x) + scaling * (x A^T) B^T`; A and B stay FP32 parameters under BF16 wrapping.
+
+Merged serving (`add_lora(merged=True)`, a recipe's `train.lora.merge`) is another definition, one
+contract too: the engine serves W' = rnd(W + scaling * B A) (FP32 add, rounded once: `export_merged`)
+and the trainer's adapted linears compute with that W' (`merged_weight`, gradients straight
+through the rounding to A and B). Computing the additive definition against merged serving would
+put W's re-rounding into the gap (4.5e-3 after two DAPO steps at lr 1e-3 on beam-tiny, against 0
+for either matched pair). A dense linear's merged forward recomputes its GEMM with W' (its base
+output is unused); the experts' grouped path stacks the experts' W' instead of their W.
 Tensor parallelism: TP1 only (raises otherwise).
 
 PEFT names and HF module names come from `beam_rl.model.names` (`peft_key`, `LORA_MODULES`: one
@@ -36,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -46,6 +57,9 @@ from beam_rl.model.names import LORA_MODULES, PEFT_CONFIG, PEFT_WEIGHTS, peft_ke
 
 # Megatron module patterns (per layer) that get adapters, with their PEFT / HF module pattern(s).
 DEFAULT_TARGETS = ("linear_q", "linear_k", "linear_v", "linear_gate", "linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+# every routed expert's fc1 (gate | up) and fc2 (down)
+EXPERT_TARGETS = ("experts.linear_fc1", "experts.linear_fc2")
+_NUMBERED = re.compile(r"^decoder\.layers\.\d+\.|local_experts\.\d+\.")
 
 
 class LoRAAdapter(torch.nn.Module):
@@ -65,6 +79,19 @@ class LoRAAdapter(torch.nn.Module):
             return t.to(device=moved.device) if moved.dtype != t.dtype else moved
 
         return super()._apply(keep_fp32, recurse)
+
+    expert: int | None = None
+    """The global expert number of a routed expert's adapter (its HF name's `{expert}`); None elsewhere."""
+    merged: bool = False
+    """The linear computes with `merged_weight` (merged serving) instead of adding `delta`."""
+
+    def weight_delta(self) -> torch.Tensor:
+        """scaling * B A in FP32 [out, in], the slices stacked along out: what merging adds to W."""
+        return torch.cat([b.float() @ a.float() for a, b in zip(self.A, self.B)], dim=0) * self.scaling
+
+    def merged_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """W' = rnd(W + `weight_delta`) in W's dtype (`export_merged`'s tensor), gradient straight through."""
+        return _round(w.float() + self.weight_delta(), w.dtype).to(w.dtype)
 
     def delta(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """d = rnd(rnd(x A'^T) B'^T) per slice (module docstring), `rnd` to `dtype`: as `dtype` on CUDA
@@ -111,7 +138,7 @@ def _round(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if dtype == t.dtype else _RoundSTE.apply(t, dtype)
 
 
-def _add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+def add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """y = rnd(base + d): the FP32 sum of the two, rounded once to the base output's dtype. Two
     tensors of that dtype are simply added: PyTorch adds BF16 tensors in FP32 (its opmath type)
     and rounds once, the same bits in one kernel and one autograd node (the adapted layers' extra
@@ -121,40 +148,80 @@ def _add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (out.float() + delta.float()).to(out.dtype)
 
 
+def grouped_delta(x: torch.Tensor, adapters: list[LoRAAdapter], offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every row's `delta` by its expert's adapter, rows grouped by expert (groups ending at
+    `offsets`, one adapter per group): the same contract, as grouped GEMMs for BF16 x on tensor
+    cores, else each group's `delta`."""
+    from beam_rl.megatron.grouped_gemm import grouped_mm
+
+    if not (x.is_cuda and x.dtype == dtype == torch.bfloat16):
+        ends = offsets.tolist()
+        parts = [a.delta(x[start:end], dtype) for a, start, end in zip(adapters, [0] + ends[:-1], ends)]
+        return torch.cat(parts, dim=0)
+    r, scaling = adapters[0].A[0].shape[0], adapters[0].scaling
+    a_all = torch.stack([torch.cat(list(a.A)) for a in adapters]).to(dtype)  # [E, slices * r, K]
+    u = grouped_mm(x, a_all.transpose(1, 2), offsets)  # every slice's shrink in one launch
+    out = []
+    for i in range(len(adapters[0].B)):
+        b = torch.stack([a.B[i] for a in adapters]).to(dtype) * scaling  # [E, out, r]
+        out.append(grouped_mm(u[:, i * r:(i + 1) * r].contiguous(), b.transpose(1, 2), offsets))
+    return torch.cat(out, dim=-1)
+
+
+def is_lora_hook(hook) -> bool:
+    return hook is _lora_hook
+
+
 def _lora_hook(module, inputs, output):
     out, bias = output
-    return _add_rounded(out, module.lora.delta(inputs[0], out.dtype)), bias
+    if module.lora.merged:
+        return torch.nn.functional.linear(inputs[0], module.lora.merged_weight(module.weight)), bias
+    return add_rounded(out, module.lora.delta(inputs[0], out.dtype)), bias
 
 
 def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:
     """(Megatron module name, module, table pattern) of every targeted linear module."""
     found = []
     for name, module in model.named_modules():
-        parts = name.split(".")
-        if len(parts) < 4 or parts[:2] != ["decoder", "layers"]:
-            continue
-        pattern = ".".join(["decoder", "layers", "{layer}"] + parts[3:])
-        if pattern in LORA_MODULES and any(pattern.endswith(t) for t in targets):
+        pattern = _pattern(name)
+        if pattern in LORA_MODULES and any(_short(pattern).endswith(t) for t in targets):
             found.append((name, module, pattern))
     return found
 
 
-def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets=DEFAULT_TARGETS) -> list[str]:
+def _pattern(name: str) -> str:
+    """'decoder.layers.3.mlp.experts.local_experts.7.linear_fc1' -> its LORA_MODULES pattern."""
+    return _NUMBERED.sub(lambda m: "decoder.layers.{layer}." if m.group().startswith("decoder") else "local_experts.{expert}.", name)
+
+
+def _short(pattern: str) -> str:
+    """The pattern as targets name it: a routed expert's linear as 'experts.linear_fc1'."""
+    return pattern.replace("experts.local_experts.{expert}.", "experts.")
+
+
+def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets=DEFAULT_TARGETS, merged: bool = False) -> list[str]:
     """Attach adapters to `model` (unwrapped or Float16Module), freeze everything else; returns the
-    adapted module names."""
+    adapted module names. `targets`: some of DEFAULT_TARGETS + EXPERT_TARGETS; `merged`: the linears
+    compute with the merged weights the engine is served (module docstring)."""
     inner = getattr(model, "module", model)
     if inner.config.tensor_model_parallel_size != 1:
         raise NotImplementedError("LoRA on the Megatron Beam model supports tensor_model_parallel_size=1 only")
-    bad = [t for t in targets if not any(p.endswith(t) for p in LORA_MODULES)]
+    bad = [t for t in targets if not any(_short(p).endswith(t) for p in LORA_MODULES)]
     if bad:
-        raise ValueError(f"unknown LoRA targets {bad}; choose from {DEFAULT_TARGETS}")
+        raise ValueError(f"unknown LoRA targets {bad}; choose from {DEFAULT_TARGETS + EXPERT_TARGETS}")
     for p in inner.parameters():
         p.requires_grad_(False)
+    # a local expert's global number: this expert-parallel rank's first expert + its local index
+    first_expert = {name: m.ep_group.rank() * m.num_local_experts for name, m in inner.named_modules() if hasattr(m, "local_experts")}
     names = []
     for name, module, pattern in _targets(inner, targets):
         n_out = len(LORA_MODULES[pattern])
         out_features = module.weight.shape[0]
         module.lora = LoRAAdapter(module.weight.shape[1], (out_features // n_out,) * n_out, r, alpha).to(module.weight.device)
+        module.lora.merged = merged
+        if "{expert}" in pattern:
+            parent, local = name.split(".local_experts.")
+            module.lora.expert = first_expert[parent] + int(local.split(".")[0])
         module.register_forward_hook(_lora_hook)
         names.append(name)
     return names
@@ -165,11 +232,9 @@ def peft_items(model: torch.nn.Module, layer_offset: int = 0):
     for name, module in inner.named_modules():
         if not hasattr(module, "lora"):
             continue
-        parts = name.split(".")
-        pattern = ".".join(["decoder", "layers", "{layer}"] + parts[3:])
-        layer = int(parts[2]) + layer_offset
-        for hf, a, b in zip(LORA_MODULES[pattern], module.lora.A, module.lora.B):
-            yield hf.format(layer=layer), module.lora.scaling, a, b
+        layer = int(name.split(".")[2]) + layer_offset
+        for hf, a, b in zip(LORA_MODULES[_pattern(name)], module.lora.A, module.lora.B):
+            yield hf.format(layer=layer, expert=module.lora.expert), module.lora.scaling, a, b
 
 
 def save_peft_adapter(model: torch.nn.Module, path: str | os.PathLike, config: BeamConfig, *, r: int, alpha: float,

@@ -201,6 +201,12 @@ class BeamMoELayer(FastPaths, MoELayer):
         return d.combine(expert_rows), None
 
 
+def _weight(linear) -> torch.Tensor:
+    """The weight a linear computes with: its LoRA adapter's merged weight under merged serving."""
+    lora = getattr(linear, "lora", None)
+    return lora.merged_weight(linear.weight) if lora is not None and lora.merged else linear.weight
+
+
 class BeamExperts(FastPaths, SequentialMLP):
     """Routed SwiGLU experts returning FP32 gate-weighted outputs (combined in FP32)."""
 
@@ -221,24 +227,40 @@ class BeamExperts(FastPaths, SequentialMLP):
         return self._per_expert_forward(x, tokens_per_expert)
 
     def _grouped(self) -> bool:
+        """The grouped GEMM path applies each linear's LoRA adapter itself; any other hook on an
+        expert's linear needs the per-expert loop."""
+        from beam_rl.megatron.lora import is_lora_hook
+
         fc = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
-        return self.fast_paths and self.tp_group.size() == 1 and not any(lin._forward_hooks or lin._forward_pre_hooks for lin in fc)
+        hooked = any(lin._forward_pre_hooks or not all(map(is_lora_hook, lin._forward_hooks.values())) for lin in fc)
+        return self.fast_paths and self.tp_group.size() == 1 and not hooked
 
     def _grouped_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-        """fc1, SwiGLU and fc2 of every token at once: [M, hidden] -> [M, hidden] in x's dtype."""
+        """fc1, SwiGLU and fc2 of every token at once: [M, hidden] -> [M, hidden] in x's dtype. LoRA as
+        the linears' hooks compute it: the adapters' deltas added to fc1's and fc2's outputs, or under
+        merged serving the experts' merged weights in place of theirs."""
+        from beam_rl.megatron.lora import add_rounded, grouped_delta
         from beam_rl.megatron.mxfp8 import is_mxfp8_linear, mxfp8_fake_quant
 
         experts = self.local_experts
         offsets = group_offsets(tokens_per_expert, x.device)
-        w1 = torch.stack([e.linear_fc1.weight for e in experts])  # (E, 2F, hidden)
-        w2 = torch.stack([e.linear_fc2.weight for e in experts])  # (E, hidden, F)
-        quant = is_mxfp8_linear(experts[0].linear_fc1)
+        fc1, fc2 = experts[0].linear_fc1, experts[0].linear_fc2
+        lora1, lora2 = getattr(fc1, "lora", None), getattr(fc2, "lora", None)
+        w1 = torch.stack([_weight(e.linear_fc1) for e in experts])  # (E, 2F, hidden)
+        w2 = torch.stack([_weight(e.linear_fc2) for e in experts])  # (E, hidden, F)
+        quant = is_mxfp8_linear(fc1)
         if quant:  # what each expert's MXFP8 linear computes with: blocks of 32 along the input dim
             x, w1 = mxfp8_fake_quant(x), mxfp8_fake_quant(w1)
-        h = experts[0].activation_func(grouped_mm(x, w1.transpose(1, 2), offsets))  # BeamSwiGLU, rounded once
+        h = grouped_mm(x, w1.transpose(1, 2), offsets)
+        if lora1 is not None and not lora1.merged:
+            h = add_rounded(h, grouped_delta(x, [e.linear_fc1.lora for e in experts], offsets, h.dtype))
+        h = experts[0].activation_func(h)  # BeamSwiGLU, rounded once
         if quant:
             h, w2 = mxfp8_fake_quant(h), mxfp8_fake_quant(w2)
-        return grouped_mm(h, w2.transpose(1, 2), offsets)
+        out = grouped_mm(h, w2.transpose(1, 2), offsets)
+        if lora2 is not None and not lora2.merged:
+            out = add_rounded(out, grouped_delta(h, [e.linear_fc2.lora for e in experts], offsets, out.dtype))
+        return out
 
     def _per_expert_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         counts = tokens_per_expert.tolist()

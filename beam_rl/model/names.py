@@ -79,10 +79,10 @@ def mapping_for(hf_name: str) -> tuple[Mapping, dict[str, int]]:
 LORA_MODULES: dict[str, tuple[str, ...]] = {
     m.megatron[: -len(".weight")]: tuple(h[: -len(".weight")] for h in m.hf)
     for m in MAPPINGS
-    if m.shard in ("column", "row", "glu") and "{expert}" not in m.megatron and "{layer}" in m.megatron
+    if m.shard in ("column", "row", "glu") and "{layer}" in m.megatron and m.megatron.endswith(".weight")
 }
 """Megatron linear module pattern -> the HF module pattern(s) its adapter(s) stand for (two for the
-fused [gate | up] fc1). Experts, embeddings and routers get no adapters."""
+fused [gate | up] fc1, a routed expert's too). Embeddings, the LM head and routers get no adapters."""
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"

@@ -112,7 +112,11 @@ def test_lm_head_fp32_output_gemm():
     assert logits.dtype == torch.float32 and err < 1e-5 and grad_err < 1e-2
 
 
-def test_grouped_experts_equal_loop_on_gpu():
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "expert-lora"])
+def test_grouped_experts_equal_loop_on_gpu(lora):
+    """The grouped GEMM experts against the per-expert loop; with LoRA adapters on the experts, the
+    grouped adapter GEMMs (`lora.grouped_delta`) against each linear's hook."""
+    from beam_rl.megatron import lora as lora_mod
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.provider import BeamModelProvider
     from beam_rl.megatron.router import BeamExperts
@@ -123,6 +127,12 @@ def test_grouped_experts_equal_loop_on_gpu():
     model = BeamModelProvider(config, mode="bf16").provide_wrapped().cuda()
     experts = next(m for m in model.modules() if isinstance(m, BeamExperts))
     gen = torch.Generator(device="cuda").manual_seed(4)
+    if lora:
+        lora_mod.add_lora(model, r=16, alpha=32, targets=lora_mod.EXPERT_TARGETS)
+        with torch.no_grad():
+            for n, p in experts.named_parameters():
+                if ".lora." in n:
+                    p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.05 if ".B." in n else 0.02))
     counts = torch.randint(0, 4096, (len(experts.local_experts),), generator=gen, device="cuda")
     counts[3] = 0
     x = torch.randn(int(counts.sum()), config.hidden_size, generator=gen, device="cuda").to(BF16)
@@ -134,7 +144,7 @@ def test_grouped_experts_equal_loop_on_gpu():
             outs.append(experts(x, counts, probs)[0])
     equal = (outs[0] == outs[1]).float().mean().item()
     err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
-    print(f"\ngrouped experts vs loop: {equal:.2%} of outputs bit-equal, max |diff| / max {err:.2e}")
+    print(f"\ngrouped experts vs loop ({'expert LoRA' if lora else 'base'}): {equal:.2%} of outputs bit-equal, max |diff| / max {err:.2e}")
     assert err < 1e-2
 
 
