@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--via", default="", help="the script that ran the commands, if any")
     ap.add_argument("--warm-start", type=Path, default=None, help="the warm start's warm_start.json (its held-out curve)")
     ap.add_argument("--warm-start-command", default=None, help="the command that wrote it (`beam-rl warm-start ...`)")
+    ap.add_argument("--warm-start-ran", default=None, metavar="DATE,COMMIT",
+                    help="when and at which commit the warm start ran, where not with the runs (a warm start reused)")
     ap.add_argument("--note", action="append", default=[], metavar="RUN=TEXT",
                     help="a run's note on its page (why it falls short of a bar, where it stopped); once per run")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write into (default: the repository's)")
@@ -103,6 +105,11 @@ def main(argv=None) -> int:
     data["runs"] = [r for r in data["runs"] if r["suite"] != args.suite] + new
     if args.warm_start:
         warm = {"suite": args.suite, **json.loads(args.warm_start.read_text()), **prov}
+        if args.warm_start_ran:
+            date, _, commit = args.warm_start_ran.partition(",")
+            if not (date and commit):
+                raise SystemExit(f"--warm-start-ran takes DATE,COMMIT; got {args.warm_start_ran!r}")
+            warm.update(date=date, commit=commit)
         if args.warm_start_command:
             warm["command"] = args.warm_start_command
         data["warm_starts"] = [w for w in data.get("warm_starts", []) if w["suite"] != args.suite] + [warm]
