@@ -210,7 +210,8 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     prov = ["--device", "CPU", "--date", "2026-12-05", "--commit", "abc1234"]
     assert learning_report.main([str(runs[1]), "--suite", "other", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs), *prov]) == 0
     assert learning_report.main([*map(str, runs), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs),
-                                 "--warm-start", str(tmp_path / "warm_start.json"), "--note", "bf16=why it stopped", *prov]) == 0
+                                 "--warm-start", str(tmp_path / "warm_start.json"), "--warm-start-ran", "2026-12-04,def5678",
+                                 "--note", "bf16=why it stopped", *prov]) == 0
     data = json.loads((docs / "results.json").read_text())
     assert [r["suite"] for r in data["runs"]] == ["other", "math-test", "math-test", "math-test"]
     bf16, off = data["runs"][1:3]
@@ -220,6 +221,8 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     assert off["r3"] is False and off["gap_bar"] is None
     assert bf16["command"] == "beam-rl dapo --recipe recipes/math/bf16.yaml --out RUN_DIR" and bf16["device"] == "CPU"
     assert data["warm_starts"][0]["suite"] == "math-test" and data["warm_starts"][0]["steps"] == 100
+    # a reused warm start keeps when and where it ran
+    assert (data["warm_starts"][0]["date"], data["warm_starts"][0]["commit"], data["warm_starts"][0]["device"]) == ("2026-12-04", "def5678", "CPU")
     head = json.loads((docs / "bench" / "learning_math-test_bf16.jsonl").read_text().splitlines()[0])
     assert head["provenance"]["command"] == bf16["command"]
     assert {p.name for p in (docs / "results" / "learning" / "math-test").iterdir()} >= {"heldout_avg8.png", "mean_abs_logprob_diff.png"}
