@@ -203,3 +203,32 @@ def test_merged_serving_trainer_computes_the_served_weights(tiny_model, tiny_con
     assert grads and all(".lora." in n for n in grads)
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert sum(g.abs().sum() > 0 for n, g in grads.items() if ".local_experts." in n) > 0
+
+
+def test_wrapped_expert_linears_take_the_per_expert_loop(tiny_model, tiny_config):
+    """An expert linear wrapped in another module (as Megatron-Bridge's LoRA wraps the linears it
+    adapts; the wrapper has no weight) is run by the per-expert loop, its wrapper included, not
+    skipped by the grouped GEMMs."""
+    from beam_rl.megatron.router import BeamExperts
+
+    class AddOne(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.to_wrap = linear
+
+        def forward(self, x):
+            out, bias = self.to_wrap(x)
+            return out + 1, bias
+
+    init_single_process()
+    model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict()).eval()
+    experts = next(m for m in model.modules() if isinstance(m, BeamExperts))
+    g = torch.Generator().manual_seed(8)
+    counts = torch.tensor([3, 0, 2] + [1] * (len(experts.local_experts) - 3))
+    x = torch.randn(int(counts.sum()), tiny_config.hidden_size, generator=g).to(BF16)
+    with torch.no_grad():
+        base = experts(x, counts, None)[0]
+        experts.local_experts[0].linear_fc2 = AddOne(experts.local_experts[0].linear_fc2)
+        assert not experts._grouped()
+        wrapped = experts(x, counts, None)[0]
+    assert torch.equal(wrapped[:3], base[:3] + 1) and torch.equal(wrapped[3:], base[3:])

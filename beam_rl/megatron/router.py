@@ -228,12 +228,14 @@ class BeamExperts(FastPaths, SequentialMLP):
 
     def _grouped(self) -> bool:
         """The grouped GEMM path applies each linear's LoRA adapter itself; any other hook on an
-        expert's linear needs the per-expert loop."""
+        expert's linear, or a linear wrapped in another module (Megatron-Bridge's LoRA wraps the
+        linears it adapts: the wrapper has no weight), needs the per-expert loop."""
         from beam_rl.megatron.lora import is_lora_hook
 
         fc = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
         hooked = any(lin._forward_pre_hooks or not all(map(is_lora_hook, lin._forward_hooks.values())) for lin in fc)
-        return self.fast_paths and self.tp_group.size() == 1 and not hooked
+        wrapped = not all(isinstance(getattr(lin, "weight", None), torch.Tensor) for lin in fc)
+        return self.fast_paths and self.tp_group.size() == 1 and not hooked and not wrapped
 
     def _grouped_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """fc1, SwiGLU and fc2 of every token at once: [M, hidden] -> [M, hidden] in x's dtype. LoRA as
