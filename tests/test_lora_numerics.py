@@ -25,6 +25,17 @@ def contract(x: torch.Tensor, base: torch.Tensor, pairs, scaling: float) -> torc
     return (base.float() + torch.cat(d, dim=-1)).to(base.dtype)
 
 
+def randomize_adapters(model: torch.nn.Module, seed: int) -> torch.Generator:
+    """Random, not BF16-exact A and B in every adapter of `model` (B nonzero, unlike PEFT's init);
+    returns the generator for the test's inputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if ".B." in n else 0.1))
+    return g
+
+
 @pytest.fixture(scope="module")
 def adapted(tiny_model, tiny_config):
     """BF16 Megatron beam-tiny with adapters holding random, not BF16-exact A and B; per adapted module
@@ -40,11 +51,8 @@ def adapted(tiny_model, tiny_config):
     assert sorted(names) == sorted(n for n, _ in targets)
     for name, m in targets:  # after it: the adapted output
         m.register_forward_hook(lambda m, i, o, name=name: seen[name].update(y=o[0]))
-    g = torch.Generator().manual_seed(5)
+    g = randomize_adapters(model, seed=5)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora." in n:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if ".B." in n else 0.1))
         ids = torch.randint(0, tiny_config.vocab_size, (2, 20), generator=g)
         model(ids, torch.arange(20).expand(2, 20), None)
     return {name: (m, seen[name]) for name, m in targets}
@@ -151,11 +159,7 @@ def test_expert_adapters_grouped_path_equals_the_per_expert_hooks(tiny_model, ti
     model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict()).train()
     names = lora.add_lora(model, r=R, alpha=ALPHA, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS)
     assert sum(".local_experts." in n for n in names) == 2 * tiny_config.num_experts * tiny_config.mlp_layer_types.count("sparse")
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora." in n:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if ".B." in n else 0.1))
+    g = randomize_adapters(model, seed=6)
     ids = torch.randint(0, tiny_config.vocab_size, (2, 24), generator=g)
     experts = [m for m in model.modules() if isinstance(m, BeamExperts)]
     runs = []
@@ -185,11 +189,8 @@ def test_merged_serving_trainer_computes_the_served_weights(tiny_model, tiny_con
     init_single_process()
     model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict()).train()
     lora.add_lora(model, r=R, alpha=ALPHA, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
-    g = torch.Generator().manual_seed(7)
+    g = randomize_adapters(model, seed=7)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora." in n:
-                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if ".B." in n else 0.1))
         served = {k: v.clone() for k, v in lora.export_merged(export_hf(model, tiny_config), model)}
     plain = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(served).eval()
     ids = torch.randint(0, tiny_config.vocab_size, (2, 24), generator=g)
