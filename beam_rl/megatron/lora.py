@@ -86,8 +86,8 @@ class LoRAAdapter(torch.nn.Module):
     """The linear computes with `merged_weight` (merged serving) instead of adding `delta`."""
 
     def weight_delta(self) -> torch.Tensor:
-        """scaling * B A in FP32 [out, in], the slices stacked along out: what merging adds to W."""
-        return torch.cat([b.float() @ a.float() for a, b in zip(self.A, self.B)], dim=0) * self.scaling
+        """`merge_delta` of every slice [out, in], stacked along out: what merging adds to W."""
+        return torch.cat([merge_delta(a, b, self.scaling) for a, b in zip(self.A, self.B)], dim=0)
 
     def merged_weight(self, w: torch.Tensor) -> torch.Tensor:
         """W' = rnd(W + `weight_delta`) in W's dtype (`export_merged`'s tensor), gradient straight through."""
@@ -120,6 +120,12 @@ class LoRAAdapter(torch.nn.Module):
         u = x @ torch.cat(list(self.A)).to(dtype).t()  # every slice's shrink in one GEMM: [..., slices * r]
         r = self.A[0].shape[0]
         return torch.cat([u[..., i * r:(i + 1) * r] @ (b.to(dtype) * self.scaling).t() for i, b in enumerate(self.B)], dim=-1)
+
+
+def merge_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """scaling * B A in FP32: one slice's addition to its weight when merged, the one definition of
+    the trainer's merged weights and of the merged export."""
+    return scaling * (b.float() @ a.float())
 
 
 class _RoundSTE(torch.autograd.Function):
@@ -274,7 +280,7 @@ def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> None:
 @torch.no_grad()
 def merged_hf_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """FP32 scaling * B @ A per HF weight name, to add to the exported base weights (full-weight sync)."""
-    return {f"{hf}.weight": scaling * (b.float() @ a.float()) for hf, scaling, a, b in peft_items(model)}
+    return {f"{hf}.weight": merge_delta(a, b, scaling) for hf, scaling, a, b in peft_items(model)}
 
 
 def export_merged(items, model: torch.nn.Module):
