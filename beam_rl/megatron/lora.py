@@ -33,8 +33,8 @@ contract too: the engine serves W' = rnd(W + scaling * B A) (FP32 add, rounded o
 and the trainer's adapted linears compute with that W' (`merged_weight`, gradients straight
 through the rounding to A and B). Computing the additive definition against merged serving would
 put W's re-rounding into the gap (4.5e-3 after two DAPO steps at lr 1e-3 on beam-tiny, against 0
-for either matched pair). A dense linear's merged forward recomputes its GEMM with W' (its base
-output is unused); the experts' grouped path stacks the experts' W' instead of their W.
+for either matched pair). A merged linear's forward is replaced (`_merged_forward`: one GEMM with W',
+no base GEMM, no hook); the experts' grouped path stacks the experts' W' instead of their W.
 Tensor parallelism: TP1 only (raises otherwise).
 
 PEFT names and HF module names come from `beam_rl.model.names` (`peft_key`, `LORA_MODULES`: one
@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import types
 from pathlib import Path
 
 import torch
@@ -180,9 +181,14 @@ def is_lora_hook(hook) -> bool:
 
 def _lora_hook(module, inputs, output):
     out, bias = output
-    if module.lora.merged:
-        return torch.nn.functional.linear(inputs[0], module.lora.merged_weight(module.weight)), bias
     return add_rounded(out, module.lora.delta(inputs[0], out.dtype)), bias
+
+
+def _merged_forward(module, input_, *args, **kwargs):
+    """An adapted linear's forward under merged serving: x @ W'^T with W' = `merged_weight` (BF16 GEMM,
+    FP32 accumulation, rounded once, as the served linear), in place of the base GEMM: the base
+    output would go unused. Megatron's (output, output_bias) with no bias (`add_lora` checks)."""
+    return torch.nn.functional.linear(input_, module.lora.merged_weight(module.weight)), None
 
 
 def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:
@@ -228,7 +234,12 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
         if "{expert}" in pattern:
             parent, local = name.split(".local_experts.")
             module.lora.expert = first_expert[parent] + int(local.split(".")[0])
-        module.register_forward_hook(_lora_hook)
+        if merged:
+            if getattr(module, "bias", None) is not None:
+                raise NotImplementedError(f"merged LoRA on {name}: a linear with a bias is not supported (Beam has none)")
+            module.forward = types.MethodType(_merged_forward, module)
+        else:
+            module.register_forward_hook(_lora_hook)
         names.append(name)
     return names
 

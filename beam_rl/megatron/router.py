@@ -239,7 +239,7 @@ class BeamExperts(FastPaths, SequentialMLP):
 
     def _grouped_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """fc1, SwiGLU and fc2 of every token at once: [M, hidden] -> [M, hidden] in x's dtype. LoRA as
-        the linears' hooks compute it: the adapters' deltas added to fc1's and fc2's outputs, or under
+        the adapted linears compute it: the adapters' deltas added to fc1's and fc2's outputs, or under
         merged serving the experts' merged weights in place of theirs."""
         from beam_rl.megatron.lora import add_rounded, grouped_delta
         from beam_rl.megatron.mxfp8 import is_mxfp8_linear, mxfp8_fake_quant
