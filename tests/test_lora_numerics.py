@@ -206,6 +206,50 @@ def test_merged_serving_trainer_computes_the_served_weights(tiny_model, tiny_con
     assert sum(g.abs().sum() > 0 for n, g in grads.items() if ".local_experts." in n) > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_merged_linear_gradients_are_the_straight_through_ones(dtype, grouped):
+    """`merged_linear` (forward x @ W'^T, A's and B's gradients reassociated so no dW' is formed) gives
+    the forward of `merged_weight`'s autograd definition bit for bit, and its gradients: equal in
+    FP32 up to summation order, within BF16 rounding in BF16; an expert with no rows gets zeros."""
+    from beam_rl.megatron.grouped_gemm import grouped_mm
+
+    g = torch.Generator().manual_seed(9)
+    experts, in_f, out_f = (3, 64, (48, 48)) if grouped else (1, 64, (80,))
+    adapters = [lora.LoRAAdapter(in_f, out_f, R, ALPHA) for _ in range(experts)]
+    with torch.no_grad():
+        for p in (p for ad in adapters for p in ad.parameters()):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    w = (torch.randn(experts, sum(out_f), in_f, generator=g) * 0.2).to(dtype)
+    counts = torch.tensor([5, 0, 7]) if grouped else torch.tensor([12])
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), in_f, generator=g).to(dtype).requires_grad_()
+    up = torch.randn(int(counts.sum()), sum(out_f), generator=g).to(dtype)
+
+    def run(fast: bool):
+        for p in (p for ad in adapters for p in ad.parameters()):
+            p.grad = None
+        x.grad = None
+        if fast:
+            y = lora.merged_linear(x, w, adapters, offsets) if grouped else lora.merged_linear(x, w[0], adapters)
+        elif grouped:
+            y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
+        else:
+            y = torch.nn.functional.linear(x, adapters[0].merged_weight(w[0]))
+        (y.float() * up.float()).sum().backward()
+        return y.detach(), x.grad.clone(), [p.grad.clone() for ad in adapters for p in ad.parameters()]
+
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = run(True), run(False)
+    assert torch.equal(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for got, want in zip(grads, grads_ref):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+    if grouped:  # expert 1 had no rows
+        assert all(p.grad.abs().sum() == 0 for p in adapters[1].parameters())
+
+
 def test_wrapped_expert_linears_take_the_per_expert_loop(tiny_model, tiny_config):
     """An expert linear wrapped in another module (as Megatron-Bridge's LoRA wraps the linears it
     adapts; the wrapper has no weight) is run by the per-expert loop, its wrapper included, not

@@ -185,10 +185,67 @@ def _lora_hook(module, inputs, output):
 
 
 def _merged_forward(module, input_, *args, **kwargs):
-    """An adapted linear's forward under merged serving: x @ W'^T with W' = `merged_weight` (BF16 GEMM,
-    FP32 accumulation, rounded once, as the served linear), in place of the base GEMM: the base
-    output would go unused. Megatron's (output, output_bias) with no bias (`add_lora` checks)."""
-    return torch.nn.functional.linear(input_, module.lora.merged_weight(module.weight)), None
+    """An adapted linear's forward under merged serving: `merged_linear` in place of the base GEMM.
+    Megatron's (output, output_bias) with no bias (`add_lora` checks)."""
+    return merged_linear(input_, module.weight, [module.lora]), None
+
+
+def merged_linear(x: torch.Tensor, w: torch.Tensor, adapters: list[LoRAAdapter], offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W'^T with W' = rnd(W + scaling * B A) (`merged_weight`, the served weight): the linear's
+    GEMM (`offsets` None: w [out, in], one adapter) or the experts' grouped GEMM (w [E, out, in], one
+    adapter per expert, rows grouped by expert ending at `offsets`). Forward: W' built without
+    autograd, then the one GEMM the engine runs with it (BF16, FP32 accumulation, rounded once).
+    Backward: A's and B's gradients through the straight-through rounding, reassociated so that
+    dW' = g^T x [out, in] (per expert) is never formed: dA = s (g B)^T x and dB = s g^T (x A^T), each a
+    pair of GEMMs of rank r in x's dtype with FP32 accumulation; a frozen W then costs no
+    weight-gradient GEMM, as unmerged LoRA."""
+    scaling, slices = adapters[0].scaling, len(adapters[0].A)
+    a = [torch.stack([ad.A[i] for ad in adapters]) if offsets is not None else adapters[0].A[i] for i in range(slices)]
+    b = [torch.stack([ad.B[i] for ad in adapters]) if offsets is not None else adapters[0].B[i] for i in range(slices)]
+    return _MergedLinear.apply(x, w, offsets, scaling, *a, *b)
+
+
+class _MergedLinear(torch.autograd.Function):
+    """`merged_linear`: inputs x, W, offsets (None: dense), scaling, A_0..A_{n-1}, B_0..B_{n-1}
+    (FP32; [r, in] / [out_i, r], or stacked per expert)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets, scaling, *ab):
+        from beam_rl.megatron.grouped_gemm import grouped_mm
+
+        n = len(ab) // 2
+        a, b = ab[:n], ab[n:]
+        with torch.no_grad():
+            delta = torch.cat([merge_delta(ai, bi, scaling) for ai, bi in zip(a, b)], dim=-2)
+            w_merged = (w.float() + delta).to(w.dtype)
+        ctx.scaling, ctx.grouped = scaling, offsets is not None
+        ctx.save_for_backward(x, w_merged, offsets, *ab)
+        if offsets is None:
+            return torch.nn.functional.linear(x, w_merged)
+        return grouped_mm(x, w_merged.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, g):
+        from beam_rl.megatron.grouped_gemm import grouped_mm
+
+        x, w_merged, offsets, *ab = ctx.saved_tensors
+        n, s, dt = len(ab) // 2, ctx.scaling, x.dtype
+        x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        if ctx.grouped:
+            dx = grouped_mm(g2, w_merged, offsets) if ctx.needs_input_grad[0] else None
+            mm = lambda m, w: grouped_mm(m, w.transpose(-1, -2).to(dt), offsets)  # rows of each group @ its w^T
+            outer = lambda p, q: torch._grouped_mm(p.t(), q, offs=offsets)  # per group p_e^T q_e
+        else:
+            dx = (g2 @ w_merged).view(x.shape) if ctx.needs_input_grad[0] else None
+            mm = lambda m, w: m @ w.t().to(dt)
+            outer = lambda p, q: p.t() @ q
+        grads_a, grads_b, start = [], [], 0
+        for a, b in zip(ab[:n], ab[n:]):
+            gi = g2[:, start:start + b.shape[-2]].contiguous()
+            start += b.shape[-2]
+            grads_a.append(s * outer(mm(gi, b.transpose(-1, -2)), x2).float())  # s (g_i B_i)^T x
+            grads_b.append(s * outer(gi, mm(x2, a)).float())  # s g_i^T (x A_i^T)
+        return dx, None, None, None, *grads_a, *grads_b
 
 
 def _targets(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Module, str]]:

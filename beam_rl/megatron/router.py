@@ -241,28 +241,28 @@ class BeamExperts(FastPaths, SequentialMLP):
         """fc1, SwiGLU and fc2 of every token at once: [M, hidden] -> [M, hidden] in x's dtype. LoRA as
         the adapted linears compute it: the adapters' deltas added to fc1's and fc2's outputs, or under
         merged serving the experts' merged weights in place of theirs."""
-        from beam_rl.megatron.lora import add_rounded, grouped_delta
+        from beam_rl.megatron.lora import add_rounded, grouped_delta, merged_linear
         from beam_rl.megatron.mxfp8 import is_mxfp8_linear, mxfp8_fake_quant
 
         experts = self.local_experts
         offsets = group_offsets(tokens_per_expert, x.device)
-        fc1, fc2 = experts[0].linear_fc1, experts[0].linear_fc2
-        lora1, lora2 = getattr(fc1, "lora", None), getattr(fc2, "lora", None)
-        w1 = torch.stack([_weight(e.linear_fc1) for e in experts])  # (E, 2F, hidden)
-        w2 = torch.stack([_weight(e.linear_fc2) for e in experts])  # (E, hidden, F)
-        quant = is_mxfp8_linear(fc1)
-        if quant:  # what each expert's MXFP8 linear computes with: blocks of 32 along the input dim
-            x, w1 = mxfp8_fake_quant(x), mxfp8_fake_quant(w1)
-        h = grouped_mm(x, w1.transpose(1, 2), offsets)
-        if lora1 is not None and not lora1.merged:
-            h = add_rounded(h, grouped_delta(x, [e.linear_fc1.lora for e in experts], offsets, h.dtype))
+        quant = is_mxfp8_linear(experts[0].linear_fc1)
+
+        def linear(x, linears):  # each expert's linear on its rows: [M, in] -> [M, out]
+            lora = getattr(linears[0], "lora", None)
+            if lora is not None and lora.merged and not quant:
+                return merged_linear(x, torch.stack([lin.weight for lin in linears]), [lin.lora for lin in linears], offsets)
+            w = torch.stack([_weight(lin) for lin in linears])  # (E, out, in)
+            if quant:  # what each expert's MXFP8 linear computes with: blocks of 32 along the input dim
+                x, w = mxfp8_fake_quant(x), mxfp8_fake_quant(w)
+            y = grouped_mm(x, w.transpose(1, 2), offsets)
+            if lora is not None and not lora.merged:
+                y = add_rounded(y, grouped_delta(x, [lin.lora for lin in linears], offsets, y.dtype))
+            return y
+
+        h = linear(x, [e.linear_fc1 for e in experts])  # (M, 2F)
         h = experts[0].activation_func(h)  # BeamSwiGLU, rounded once
-        if quant:
-            h, w2 = mxfp8_fake_quant(h), mxfp8_fake_quant(w2)
-        out = grouped_mm(h, w2.transpose(1, 2), offsets)
-        if lora2 is not None and not lora2.merged:
-            out = add_rounded(out, grouped_delta(h, [e.linear_fc2.lora for e in experts], offsets, out.dtype))
-        return out
+        return linear(h, [e.linear_fc2 for e in experts])
 
     def _per_expert_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         counts = tokens_per_expert.tolist()
