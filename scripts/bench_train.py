@@ -1,14 +1,16 @@
 """Tokens/s, model-FLOPs utilisation and where the time goes, per mode, for one Megatron training step on one GPU.
 
     python scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 \
-        [--modes baseline bf16 lora mxfp8-emulated peer] [--profile] [--json docs/bench/train.json]
+        [--modes baseline bf16 lora lora-merged mxfp8-emulated peer] [--profile] [--json docs/bench/train.json]
 
 A step = forward (R3 replay of random valid expert ids; the peer routes for itself) + backward of
 a log-prob loss + an SGD update of the trainable parameters. Modes: `baseline` (the bf16 model in
 plain PyTorch, `fused.set_fast_paths(model, False)`: the `numerics` pointwise functions under
 autograd, a per-expert loop, BF16 SDPA attention with an explicit mask; the ratios are against it),
 `bf16` (the trainer as it runs: Triton forward / compiled backward pointwise ops, grouped-GEMM
-experts, FlexAttention), `lora` (rank 16 on the frozen BF16 base), `mxfp8-emulated`, and `peer`:
+experts, FlexAttention), `lora` (rank 16 on the frozen BF16 base: attention and the dense MLPs, the adapters served as
+adapters), `lora-merged` (rank 16 on those and every routed expert, served merged into the weights:
+`recipes/math/lora.yaml`'s form, the linears computing with the merged weights), `mxfp8-emulated`, and `peer`:
 Megatron-Core's own GPT MoE (its local layer spec
 with grouped-GEMM experts, `GroupedMLP` on `torch._grouped_mm`; no Beam module) with the preset's
 dimensions: hidden, layers, heads, head_dim, experts, top-k, expert and dense widths, vocabulary.
@@ -38,7 +40,7 @@ from collections import defaultdict
 
 import torch
 
-MODES = ("baseline", "bf16", "lora", "mxfp8-emulated", "peer")
+MODES = ("baseline", "bf16", "lora", "lora-merged", "mxfp8-emulated", "peer")
 
 # Kernel kinds by name, first match wins (CUDA kernel names of cuBLAS / CUTLASS / ATen / Triton).
 KERNEL_KINDS = (
@@ -202,7 +204,7 @@ def bench(mode: str, args) -> dict:
     if mode == "peer":
         model = peer_model(config).cuda().train()
     else:
-        base_mode = "bf16" if mode in ("lora", "baseline") else mode
+        base_mode = "bf16" if mode in ("lora", "lora-merged", "baseline") else mode
         attention = "bf16" if mode == "baseline" else args.attention_dtype
         provider = BeamModelProvider(config, mode=base_mode, recompute=args.recompute, attention_dtype=attention)
         model = provider.provide_wrapped().cuda().train()
@@ -210,6 +212,8 @@ def bench(mode: str, args) -> dict:
             set_fast_paths(model, False)
         if mode == "lora":
             lora.add_lora(model, r=16, alpha=32)
+        if mode == "lora-merged":
+            lora.add_lora(model, r=16, alpha=32, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-6)
     g = torch.Generator().manual_seed(0)

@@ -31,7 +31,7 @@
 #                  TRAINER_GPU_ARGS, e.g. "-k changing")
 #   bridge         tests/gpu/test_bridge_gpu.py (Beam through Megatron-Bridge: distributed-optimizer step and
 #                  SkyRL's checkpoint save / load; needs the SkyRL kits installed)
-#   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096: baseline (plain PyTorch) / bf16 / lora / mxfp8-emulated /
+#   bench_train    scripts/bench_train.py, beam-mini, batch 4 x 4096: baseline (plain PyTorch) / bf16 / lora / lora-merged / mxfp8-emulated /
 #                  the Megatron GPT MoE peer, profiled
 #   bench_rollout  scripts/bench_rollout.py: fused / compiled / eager builds, CUDA graphs
 #   bench_concurrency  scripts/bench_rollout.py --concurrency: decode at batch 1 / 64 / 256, async on / off,
@@ -103,7 +103,7 @@ stage_cmd() {
     bridge) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_bridge_gpu.py" ;;
     trainer_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_trainer_gpu.py ${TRAINER_GPU_ARGS:-}" ;;
     kernels) echo "python3 -m pytest -q -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_kernels_gpu.py ${KERNELS_ARGS:-}" ;;
-    bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes baseline bf16 lora mxfp8-emulated peer --profile --json $OUT/train.json ${BENCH_TRAIN_ARGS:-}" ;;
+    bench_train) echo "python3 $REPO/scripts/bench_train.py --preset beam-mini --batch 4 --seq 4096 --modes baseline bf16 lora lora-merged mxfp8-emulated peer --profile --json $OUT/train.json ${BENCH_TRAIN_ARGS:-}" ;;
     bench_rollout) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --checkpoint $CKPT --json $OUT/rollout.json --log-dir $OUT/rollout_logs ${BENCH_ROLLOUT_ARGS:-}" ;;
     bench_concurrency) echo "checkpoint; python3 $REPO/scripts/bench_rollout.py --concurrency --checkpoint $CKPT --decode-batches 64,256 --decode-tokens 64 --repeats 15 --work $WORK --json $OUT/rollout_concurrency.json --log-dir $OUT/concurrency_logs ${BENCH_CONCURRENCY_ARGS:-}" ;;
     rollout_gpu) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/gpu/test_rollout_gpu.py" ;;
