@@ -7,6 +7,7 @@ shapes (beam-mini widths, 4 x 1024 tokens). Skips cleanly without CUDA or megatr
 - "flash" attention (FlexAttention): outputs and gradients against FP32 attention;
 - the LM head's FP32-output BF16 GEMM against an FP32 GEMM, and its BF16 gradient;
 - grouped-GEMM experts against the per-expert loop;
+- merged-serving LoRA's reassociated gradients against the straight-through definition's;
 - compiled log-probs against eager ones;
 - the compile policy: DAPO's changing micro-batch shapes compile the whole model's kernels twice in
   all (FlexAttention once more past one 128-token block), never once per new shape.
@@ -146,6 +147,54 @@ def test_grouped_experts_equal_loop_on_gpu(lora):
     err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
     print(f"\ngrouped experts vs loop ({'expert LoRA' if lora else 'base'}): {equal:.2%} of outputs bit-equal, max |diff| / max {err:.2e}")
     assert err < 1e-2
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "experts"])
+def test_merged_lora_gradients_on_gpu(grouped):
+    """Merged-serving LoRA (`lora.merged_linear`) at beam-mini widths: the forward equals the
+    straight-through definition's (`merged_weight`, then the GEMM) bit for bit, x's gradient is the
+    same GEMM's, and A's and B's
+    reassociated gradients (BF16 GEMMs of rank r; the grouped form on `torch._grouped_mm`'s
+    per-group outer products) are its gradients within BF16 precision."""
+    from beam_rl.megatron import lora
+    from beam_rl.megatron.grouped_gemm import grouped_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    experts, out_f = (64, (512, 512)) if grouped else (1, (2048,))
+    adapters = [lora.LoRAAdapter(HIDDEN, out_f, 16, 32).cuda() for _ in range(experts)]
+    with torch.no_grad():
+        for p in (p for ad in adapters for p in ad.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.05 if p.shape[-1] == 16 else 0.02))
+    w = (torch.randn(experts, sum(out_f), HIDDEN, generator=gen, device="cuda") * 0.02).to(BF16)
+    counts = torch.randint(0, 1024, (experts,), generator=gen, device="cuda") if grouped else torch.tensor([T], device="cuda")
+    if grouped:
+        counts[3] = 0
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), HIDDEN, generator=gen, device="cuda").to(BF16).requires_grad_()
+    up = torch.randn(x.shape[0], sum(out_f), generator=gen, device="cuda").to(BF16)
+
+    def run(fast):
+        for p in (p for ad in adapters for p in ad.parameters()):
+            p.grad = None
+        x.grad = None
+        if fast:
+            y = lora.merged_linear(x, w, adapters, offsets) if grouped else lora.merged_linear(x, w[0], adapters)
+        elif grouped:
+            y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
+        else:
+            y = torch.nn.functional.linear(x, adapters[0].merged_weight(w[0]))
+        (y.float() * up.float()).sum().backward()
+        return y.detach(), x.grad.clone(), [p.grad.clone() for ad in adapters for p in ad.parameters()]
+
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = run(True), run(False)
+    assert torch.equal(y, y_ref)
+    dx_err = ((dx - dx_ref).abs().max() / dx_ref.abs().max()).item()  # the same GEMM; bit-equal is not the contract
+    worst = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, grads_ref) if r.abs().max() > 0)
+    print(f"\nmerged LoRA ({'experts' if grouped else 'dense'}): forward bit-equal; dx max |diff| / max {dx_err:.2e}; "
+          f"A/B gradients max |diff| / max {worst:.2e}")
+    assert dx_err < 1e-2 and worst < 3e-2
+    if grouped:
+        assert all(p.grad.abs().sum() == 0 for p in adapters[3].parameters())
 
 
 def test_compiled_logprobs_equal_eager():
