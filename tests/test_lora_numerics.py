@@ -231,7 +231,7 @@ def test_merged_linear_gradients_are_the_straight_through_ones(dtype, grouped):
             p.grad = None
         x.grad = None
         if fast:
-            y = lora.merged_linear(x, w, adapters, offsets) if grouped else lora.merged_linear(x, w[0], adapters)
+            y = lora.merged_linear(x, w, lora.ExpertAdapters(adapters), offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
         elif grouped:
             y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
         else:

@@ -155,7 +155,24 @@ def add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (out.float() + delta.float()).to(out.dtype)
 
 
-def grouped_delta(x: torch.Tensor, adapters: list[LoRAAdapter], offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+class ExpertAdapters:
+    """The adapters of one expert linear (fc1 or fc2) over a rank's local experts, in expert order,
+    gathered once (`BeamExperts` keeps it): per slice the experts' A and B parameters, stacked afresh
+    by each forward in one launch per slice (one Python access per expert and slice would cost
+    more host time than the adapter GEMMs)."""
+
+    def __init__(self, adapters: list[LoRAAdapter]):
+        self.adapters = tuple(adapters)
+        self.scaling, self.merged = adapters[0].scaling, adapters[0].merged
+        self.a = tuple(tuple(ad.A[i] for ad in adapters) for i in range(len(adapters[0].A)))
+        self.b = tuple(tuple(ad.B[i] for ad in adapters) for i in range(len(adapters[0].B)))
+
+    def stacked(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per slice A [E, r, in] and B [E, out, r] (FP32, gradients to each expert's parameters)."""
+        return [torch.stack(t) for t in self.a], [torch.stack(t) for t in self.b]
+
+
+def grouped_delta(x: torch.Tensor, adapters: ExpertAdapters, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Every row's `delta` by its expert's adapter, rows grouped by expert (groups ending at
     `offsets`, one adapter per group): the same contract, as grouped GEMMs for BF16 x on tensor
     cores, else each group's `delta`."""
@@ -163,15 +180,13 @@ def grouped_delta(x: torch.Tensor, adapters: list[LoRAAdapter], offsets: torch.T
 
     if not (x.is_cuda and x.dtype == dtype == torch.bfloat16):
         ends = offsets.tolist()
-        parts = [a.delta(x[start:end], dtype) for a, start, end in zip(adapters, [0] + ends[:-1], ends)]
+        parts = [a.delta(x[start:end], dtype) for a, start, end in zip(adapters.adapters, [0] + ends[:-1], ends)]
         return torch.cat(parts, dim=0)
-    r, scaling = adapters[0].A[0].shape[0], adapters[0].scaling
-    a_all = torch.stack([torch.cat(list(a.A)) for a in adapters]).to(dtype)  # [E, slices * r, K]
-    u = grouped_mm(x, a_all.transpose(1, 2), offsets)  # every slice's shrink in one launch
-    out = []
-    for i in range(len(adapters[0].B)):
-        b = torch.stack([a.B[i] for a in adapters]).to(dtype) * scaling  # [E, out, r]
-        out.append(grouped_mm(u[:, i * r:(i + 1) * r].contiguous(), b.transpose(1, 2), offsets))
+    a, b = adapters.stacked()
+    r = a[0].shape[1]
+    u = grouped_mm(x, torch.cat(a, dim=1).to(dtype).transpose(1, 2), offsets)  # every slice's shrink in one launch
+    out = [grouped_mm(u[:, i * r:(i + 1) * r].contiguous(), (bi.to(dtype) * adapters.scaling).transpose(1, 2), offsets)
+           for i, bi in enumerate(b)]
     return torch.cat(out, dim=-1)
 
 
@@ -187,22 +202,20 @@ def _lora_hook(module, inputs, output):
 def _merged_forward(module, input_, *args, **kwargs):
     """An adapted linear's forward under merged serving: `merged_linear` in place of the base GEMM.
     Megatron's (output, output_bias) with no bias (`add_lora` checks)."""
-    return merged_linear(input_, module.weight, [module.lora]), None
+    return merged_linear(input_, module.weight, module.lora), None
 
 
-def merged_linear(x: torch.Tensor, w: torch.Tensor, adapters: list[LoRAAdapter], offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W'^T with W' = rnd(W + scaling * B A) (`merged_weight`, the served weight): the linear's
-    GEMM (`offsets` None: w [out, in], one adapter) or the experts' grouped GEMM (w [E, out, in], one
-    adapter per expert, rows grouped by expert ending at `offsets`). Forward: W' built without
-    autograd, then the one GEMM the engine runs with it (BF16, FP32 accumulation, rounded once).
-    Backward: A's and B's gradients through the straight-through rounding, reassociated so that
-    dW' = g^T x [out, in] (per expert) is never formed: dA = s (g B)^T x and dB = s g^T (x A^T), each a
-    pair of GEMMs of rank r in x's dtype with FP32 accumulation; a frozen W then costs no
-    weight-gradient GEMM, as unmerged LoRA."""
-    scaling, slices = adapters[0].scaling, len(adapters[0].A)
-    a = [torch.stack([ad.A[i] for ad in adapters]) if offsets is not None else adapters[0].A[i] for i in range(slices)]
-    b = [torch.stack([ad.B[i] for ad in adapters]) if offsets is not None else adapters[0].B[i] for i in range(slices)]
-    return _MergedLinear.apply(x, w, offsets, scaling, *a, *b)
+def merged_linear(x: torch.Tensor, w: torch.Tensor, adapters: LoRAAdapter | ExpertAdapters, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W'^T with W' = rnd(W + scaling * B A) (`merged_weight`, the served weight): a linear's GEMM
+    (w [out, in], its `LoRAAdapter`) or the experts' grouped GEMM (w [E, out, in], `ExpertAdapters`,
+    rows grouped by expert ending at `offsets`). Forward: W' built without autograd, then the one
+    GEMM the engine runs with it (BF16, FP32 accumulation, rounded once). Backward: A's and B's
+    gradients through the straight-through rounding, reassociated so that dW' = g^T x [out, in]
+    (per expert) is never formed: dA = s (g B)^T x and dB = s g^T (x A^T), each a pair of GEMMs of
+    rank r in x's dtype with FP32 accumulation; a frozen W then costs no weight-gradient GEMM, as
+    unmerged LoRA."""
+    a, b = adapters.stacked() if isinstance(adapters, ExpertAdapters) else (list(adapters.A), list(adapters.B))
+    return _MergedLinear.apply(x, w, offsets, adapters.scaling, *a, *b)
 
 
 class _MergedLinear(torch.autograd.Function):
@@ -230,7 +243,7 @@ class _MergedLinear(torch.autograd.Function):
 
         x, w_merged, offsets, *ab = ctx.saved_tensors
         n, s, dt = len(ab) // 2, ctx.scaling, x.dtype
-        x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+        x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]).contiguous()  # a sum's gradient is expanded: stride 0
         if ctx.grouped:
             dx = grouped_mm(g2, w_merged, offsets) if ctx.needs_input_grad[0] else None
             mm = lambda m, w: grouped_mm(m, w.transpose(-1, -2).to(dt), offsets)  # rows of each group @ its w^T

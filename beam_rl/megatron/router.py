@@ -244,25 +244,40 @@ class BeamExperts(FastPaths, SequentialMLP):
         from beam_rl.megatron.lora import add_rounded, grouped_delta, merged_linear
         from beam_rl.megatron.mxfp8 import is_mxfp8_linear, mxfp8_fake_quant
 
-        experts = self.local_experts
         offsets = group_offsets(tokens_per_expert, x.device)
-        quant = is_mxfp8_linear(experts[0].linear_fc1)
+        quant = is_mxfp8_linear(self.local_experts[0].linear_fc1)
 
-        def linear(x, linears):  # each expert's linear on its rows: [M, in] -> [M, out]
-            lora = getattr(linears[0], "lora", None)
-            if lora is not None and lora.merged and not quant:
-                return merged_linear(x, torch.stack([lin.weight for lin in linears]), [lin.lora for lin in linears], offsets)
-            w = torch.stack([_weight(lin) for lin in linears])  # (E, out, in)
+        def linear(x, which):  # each expert's linear on its rows: [M, in] -> [M, out]
+            linears, weights, adapters = self._gathered(which)
+            if adapters is not None and adapters.merged and not quant:
+                return merged_linear(x, torch.stack(weights), adapters, offsets)
+            w = torch.stack([_weight(lin) for lin in linears]) if adapters is not None else torch.stack(weights)  # (E, out, in)
             if quant:  # what each expert's MXFP8 linear computes with: blocks of 32 along the input dim
                 x, w = mxfp8_fake_quant(x), mxfp8_fake_quant(w)
             y = grouped_mm(x, w.transpose(1, 2), offsets)
-            if lora is not None and not lora.merged:
-                y = add_rounded(y, grouped_delta(x, [lin.lora for lin in linears], offsets, y.dtype))
+            if adapters is not None and not adapters.merged:
+                y = add_rounded(y, grouped_delta(x, adapters, offsets, y.dtype))
             return y
 
-        h = linear(x, [e.linear_fc1 for e in experts])  # (M, 2F)
-        h = experts[0].activation_func(h)  # BeamSwiGLU, rounded once
-        return linear(h, [e.linear_fc2 for e in experts])
+        h = linear(x, "linear_fc1")  # (M, 2F)
+        h = self.local_experts[0].activation_func(h)  # BeamSwiGLU, rounded once
+        return linear(h, "linear_fc2")
+
+    def _gathered(self, which: str):
+        """(linears, weights, `ExpertAdapters` or None) of every local expert's `which` linear, kept
+        while the first expert's weight and adapter are the same objects (a model's adapters are
+        added to all experts at once): the forward reads them without a Python access per expert."""
+        from beam_rl.megatron.lora import ExpertAdapters
+
+        first = getattr(self.local_experts[0], which)
+        key = (first.weight, getattr(first, "lora", None))
+        cache = self.__dict__.setdefault("_gathered_linears", {})
+        hit = cache.get(which)
+        if hit is None or hit[0][0] is not key[0] or hit[0][1] is not key[1]:
+            linears = tuple(getattr(e, which) for e in self.local_experts)
+            adapters = ExpertAdapters([lin.lora for lin in linears]) if key[1] is not None else None
+            hit = cache[which] = (key, (linears, tuple(lin.weight for lin in linears), adapters))
+        return hit[1]
 
     def _per_expert_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         counts = tokens_per_expert.tolist()

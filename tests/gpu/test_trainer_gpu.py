@@ -178,7 +178,7 @@ def test_merged_lora_gradients_on_gpu(grouped):
             p.grad = None
         x.grad = None
         if fast:
-            y = lora.merged_linear(x, w, adapters, offsets) if grouped else lora.merged_linear(x, w[0], adapters)
+            y = lora.merged_linear(x, w, lora.ExpertAdapters(adapters), offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
         elif grouped:
             y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
         else:
