@@ -476,8 +476,8 @@ def gap_page() -> Page:
         table(f"Random beam-mini: one bf16 rollout, several trainers "
               f"([sources.json](../bench/{rnd}/sources.json))",
               srows, strainer),
-        *record_tables("gap_cpu.json", ("sublayer_trace",)), "## beam-tiny on CPU", "",
-        *record_tables("gap_cpu.json", ("ci", "by_mode", "sources", "attention", "lora", "lora_modules"))]),
+        "## beam-tiny on CPU", "",
+        *record_tables("gap_cpu.json", ("ci", "by_mode", "sources", "attention"))]),
             "trained beam-mini, R3 on: " + ", ".join(f"{m} {g['r3_on']['mean_abs_logprob_diff']:.1e}"
                                                     for m, g in on.items())
             + " (bars " + " / ".join(map(str, BARS.values())) + ")", where(*on.values()))
