@@ -254,7 +254,8 @@ class _MergedLinear(torch.autograd.Function):
             outer = lambda p, q: p.t() @ q
         grads_a, grads_b, start = [], [], 0
         for a, b in zip(ab[:n], ab[n:]):
-            gi = g2[:, start:start + b.shape[-2]].contiguous()
+            gi = g2[:, start:start + b.shape[-2]]
+            gi = gi.contiguous() if ctx.grouped and n > 1 else gi  # the grouped GEMMs ran on the GPU with dense slices
             start += b.shape[-2]
             grads_a.append(s * outer(mm(gi, b.transpose(-1, -2)), x2).float())  # s (g_i B_i)^T x
             grads_b.append(s * outer(gi, mm(x2, a)).float())  # s g_i^T (x A_i^T)
