@@ -11,3 +11,29 @@ def outputs_and_grads(fn, inputs, out_grads, diff):
     outs = outs if isinstance(outs, tuple) else (outs,)
     loss = sum((o.float() * g).sum() for o, g in zip(outs, out_grads) if o is not None)
     return outs, torch.autograd.grad(loss, [leaves[i] for i in diff])
+
+
+def merged_lora_runs(x, w, adapters, offsets, up, grouped: bool):
+    """(output, x's gradient, every adapter parameter's gradient) of sum(y * up) for merged-serving
+    LoRA, first through `lora.merged_linear`, then through the straight-through definition
+    (`LoRAAdapter.merged_weight`, then the linear's GEMM or the experts' grouped GEMM). x: a leaf
+    requiring grad; w [E, out, in] (E = 1 for a dense linear); one adapter per expert."""
+    from beam_rl.megatron import lora
+    from beam_rl.megatron.grouped_gemm import grouped_mm
+
+    params = [p for ad in adapters for p in ad.parameters()]
+
+    def run(fast: bool):
+        for p in params:
+            p.grad = None
+        x.grad = None
+        if fast:
+            y = lora.merged_linear(x, w, lora.ExpertAdapters(adapters), offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
+        elif grouped:
+            y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
+        else:
+            y = torch.nn.functional.linear(x, adapters[0].merged_weight(w[0]))
+        (y.float() * up.float()).sum().backward()
+        return y.detach(), x.grad.clone(), [p.grad.clone() for p in params]
+
+    return run(True), run(False)

@@ -10,6 +10,7 @@ pytest.importorskip("megatron.core")
 from beam_rl.megatron import lora  # noqa: E402
 from beam_rl.megatron.cpu import init_single_process  # noqa: E402
 from beam_rl.megatron.provider import BeamModelProvider  # noqa: E402
+from grad_check import merged_lora_runs  # noqa: E402
 
 BF16 = torch.bfloat16
 R, ALPHA = 8, 12.0  # scaling 1.5: not a power of two, so folding it into BF16 B rounds
@@ -182,7 +183,7 @@ def test_expert_adapters_grouped_path_equals_the_per_expert_hooks(tiny_model, ti
 
 def test_merged_serving_trainer_computes_the_served_weights(tiny_model, tiny_config):
     """Under merged serving (`add_lora(merged=True)`, experts adapted too) the trainer's logits are those
-    of a plain model loaded with the merged weights the engine is sent (`export_merged`), bit for
+    of a plain model loaded with the merged weights the engine is sent (`merged_transform`), bit for
     bit, and A and B still get gradients."""
     from beam_rl.megatron.convert import export_hf
 
@@ -191,7 +192,7 @@ def test_merged_serving_trainer_computes_the_served_weights(tiny_model, tiny_con
     lora.add_lora(model, r=R, alpha=ALPHA, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
     g = randomize_adapters(model, seed=7)
     with torch.no_grad():
-        served = {k: v.clone() for k, v in lora.export_merged(export_hf(model, tiny_config), model)}
+        served = {k: v.clone() for k, v in export_hf(model, tiny_config, transform=lora.merged_transform(model))}
     plain = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(served).eval()
     ids = torch.randint(0, tiny_config.vocab_size, (2, 24), generator=g)
     pos = torch.arange(24).expand(2, 24)
@@ -212,8 +213,6 @@ def test_merged_linear_gradients_are_the_straight_through_ones(dtype, grouped):
     """`merged_linear` (forward x @ W'^T, A's and B's gradients reassociated so no dW' is formed) gives
     the forward of `merged_weight`'s autograd definition bit for bit, and its gradients: equal in
     FP32 up to summation order, within BF16 rounding in BF16; an expert with no rows gets zeros."""
-    from beam_rl.megatron.grouped_gemm import grouped_mm
-
     g = torch.Generator().manual_seed(9)
     experts, in_f, out_f = (3, 64, (48, 48)) if grouped else (1, 64, (80,))
     adapters = [lora.LoRAAdapter(in_f, out_f, R, ALPHA) for _ in range(experts)]
@@ -226,20 +225,7 @@ def test_merged_linear_gradients_are_the_straight_through_ones(dtype, grouped):
     x = torch.randn(int(counts.sum()), in_f, generator=g).to(dtype).requires_grad_()
     up = torch.randn(int(counts.sum()), sum(out_f), generator=g).to(dtype)
 
-    def run(fast: bool):
-        for p in (p for ad in adapters for p in ad.parameters()):
-            p.grad = None
-        x.grad = None
-        if fast:
-            y = lora.merged_linear(x, w, lora.ExpertAdapters(adapters), offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
-        elif grouped:
-            y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
-        else:
-            y = torch.nn.functional.linear(x, adapters[0].merged_weight(w[0]))
-        (y.float() * up.float()).sum().backward()
-        return y.detach(), x.grad.clone(), [p.grad.clone() for ad in adapters for p in ad.parameters()]
-
-    (y, dx, grads), (y_ref, dx_ref, grads_ref) = run(True), run(False)
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = merged_lora_runs(x, w, adapters, offsets, up, grouped)
     assert torch.equal(y, y_ref)
     torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-5)
     tol = 1e-5 if dtype == torch.float32 else 3e-2

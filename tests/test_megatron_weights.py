@@ -114,7 +114,7 @@ def test_lora_peft_roundtrip(world, tiny_config, tmp_path, experts):
         print(f"\nLoRA Megatron vs PEFT-on-reference FP32 max|logit diff| = {diff:.3e}")
         assert diff < 1e-4
         # merged full weights == PEFT's merge
-        merged = dict(lora.export_merged(export_hf(model, tiny_config), model))
+        merged = dict(export_hf(model, tiny_config, transform=lora.merged_transform(model)))
         peft_merged = peft_model.merge_and_unload().state_dict()
     names = ["model.layers.3.self_attn.gate_proj.weight"]
     if experts:

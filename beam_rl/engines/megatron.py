@@ -177,12 +177,13 @@ class MegatronTrainer(TrainerBackend):
     # -- weights out ---------------------------------------------------------------------------
     def export(self, *, merged: bool = True, on_device: bool = False, served: bool = False) -> dict[str, torch.Tensor]:
         from beam_rl.megatron.convert import export_hf
-        from beam_rl.megatron.lora import export_merged
+        from beam_rl.megatron.lora import merged_transform
         from beam_rl.megatron.mxfp8 import served_weights
 
-        items = export_hf(self.model, self.config, transform=served_weights(self.model) if served else None)
+        transform = served_weights(self.model) if served else None
         if self.lora_settings and merged:
-            items = export_merged(items, self.model)
+            transform = merged_transform(self.model, then=transform)
+        items = export_hf(self.model, self.config, transform=transform)
         if on_device:
             return {k: v.detach().contiguous() for k, v in items}
         return {k: v.detach().contiguous().cpu().clone() for k, v in items}

@@ -7,7 +7,7 @@ by a forward hook; the experts' grouped GEMM path applies them as grouped GEMMs,
 parameter names of the base model, HF conversion and export are unchanged. RL with LoRA keeps up
 with full fine-tuning only when the MLPs are adapted ("LoRA Without Regret", Thinking Machines,
 2025); in an MoE most MLP weights are experts. vLLM serves the experts' adapters merged into the
-weights (`export_merged`): its LoRA path does not cover a custom model's experts on every runner.
+weights (`merged_transform`): its LoRA path does not cover a custom model's experts on every runner.
 
 Numerics: the served adapter's arithmetic (vLLM with `enable_lora`, `lora_dtype="auto"`), one contract
 for trainer and rollout. With `rnd` = round to the base layer's output dtype (BF16 under BF16
@@ -29,12 +29,13 @@ rounds, backward is the identity), so A and B get the FP32 gradient of
 `base(x) + scaling * (x A^T) B^T`; A and B stay FP32 parameters under BF16 wrapping.
 
 Merged serving (`add_lora(merged=True)`, a recipe's `train.lora.merge`) is another definition, one
-contract too: the engine serves W' = rnd(W + scaling * B A) (FP32 add, rounded once: `export_merged`)
-and the trainer's adapted linears compute with that W' (`merged_weight`, gradients straight
-through the rounding to A and B). Computing the additive definition against merged serving would
-put W's re-rounding into the gap (4.5e-3 after two DAPO steps at lr 1e-3 on beam-tiny, against 0
-for either matched pair). A merged linear's forward is replaced (`_merged_forward`: one GEMM with W',
-no base GEMM, no hook); the experts' grouped path stacks the experts' W' instead of their W.
+contract too: the engine serves W' = rnd(W + scaling * B A) (FP32 add, rounded once) and the
+trainer's adapted linears compute with that W', one computation for both (`served_weight`: the
+trainer's forward in `merged_linear`, the export in `merged_transform`; the experts' per layer in
+one batched form), gradients straight through the rounding to A and B. Computing the additive
+definition against merged serving would put W's re-rounding into the gap (4.5e-3 after two DAPO
+steps at lr 1e-3 on beam-tiny, against 0 for either matched pair). A merged linear's forward is
+replaced (`_merged_forward`: one GEMM with W', no base GEMM, no hook).
 Tensor parallelism: TP1 only (raises otherwise).
 
 PEFT names and HF module names come from `beam_rl.model.names` (`peft_key`, `LORA_MODULES`: one
@@ -91,7 +92,8 @@ class LoRAAdapter(torch.nn.Module):
         return torch.cat([merge_delta(a, b, self.scaling) for a, b in zip(self.A, self.B)], dim=0)
 
     def merged_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """W' = rnd(W + `weight_delta`) in W's dtype (`export_merged`'s tensor), gradient straight through."""
+        """W' = rnd(W + `weight_delta`) in W's dtype (`served_weight`'s value), gradient straight through:
+        the definition `merged_linear`'s reassociated gradients are tested against."""
         return _round(w.float() + self.weight_delta(), w.dtype).to(w.dtype)
 
     def delta(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -124,9 +126,19 @@ class LoRAAdapter(torch.nn.Module):
 
 
 def merge_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """scaling * B A in FP32: one slice's addition to its weight when merged, the one definition of
-    the trainer's merged weights and of the merged export."""
+    """scaling * B A in FP32: one slice's addition to its weight when merged."""
     return scaling * (b.float() @ a.float())
+
+
+@torch.no_grad()
+def served_weight(w: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], scaling: float) -> torch.Tensor:
+    """W' = rnd(W + [scaling * B_i A_i stacked along out]) in W's dtype (FP32 add, rounded once), no
+    autograd: the one computation of the merged weights, for the trainer's merged forward
+    (`merged_linear`) and the merged export (`merged_transform`), so the engine is sent the
+    tensors the trainer computes with. w [out, in] with A_i [r, in], B_i [out_i, r], or each
+    stacked per expert ([E, ...]: the experts' grouped GEMM and their export share the batched form)."""
+    delta = torch.cat([merge_delta(ai, bi, scaling) for ai, bi in zip(a, b)], dim=-2)
+    return (w.float() + delta).to(w.dtype)
 
 
 class _RoundSTE(torch.autograd.Function):
@@ -215,22 +227,17 @@ def merged_linear(x: torch.Tensor, w: torch.Tensor, adapters: LoRAAdapter | Expe
     rank r in x's dtype with FP32 accumulation; a frozen W then costs no weight-gradient GEMM, as
     unmerged LoRA."""
     a, b = adapters.stacked() if isinstance(adapters, ExpertAdapters) else (list(adapters.A), list(adapters.B))
-    return _MergedLinear.apply(x, w, offsets, adapters.scaling, *a, *b)
+    return _MergedLinear.apply(x, served_weight(w, a, b, adapters.scaling), offsets, adapters.scaling, *a, *b)
 
 
 class _MergedLinear(torch.autograd.Function):
-    """`merged_linear`: inputs x, W, offsets (None: dense), scaling, A_0..A_{n-1}, B_0..B_{n-1}
-    (FP32; [r, in] / [out_i, r], or stacked per expert)."""
+    """`merged_linear`: inputs x, W' (`served_weight`), offsets (None: dense), scaling, A_0..A_{n-1},
+    B_0..B_{n-1} (FP32; [r, in] / [out_i, r], or stacked per expert)."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, scaling, *ab):
+    def forward(ctx, x, w_merged, offsets, scaling, *ab):
         from beam_rl.megatron.grouped_gemm import grouped_mm
 
-        n = len(ab) // 2
-        a, b = ab[:n], ab[n:]
-        with torch.no_grad():
-            delta = torch.cat([merge_delta(ai, bi, scaling) for ai, bi in zip(a, b)], dim=-2)
-            w_merged = (w.float() + delta).to(w.dtype)
         ctx.scaling, ctx.grouped = scaling, offsets is not None
         ctx.save_for_backward(x, w_merged, offsets, *ab)
         if offsets is None:
@@ -359,14 +366,33 @@ def load_peft_adapter(model: torch.nn.Module, path: str | os.PathLike) -> None:
             b.copy_(tensors[peft_key(hf, "B")])
 
 
-@torch.no_grad()
-def merged_hf_deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """FP32 scaling * B @ A per HF weight name, to add to the exported base weights (full-weight sync)."""
-    return {f"{hf}.weight": merge_delta(a, b, scaling) for hf, scaling, a, b in peft_items(model)}
+def merged_transform(model: torch.nn.Module, then=None):
+    """`convert.export_hf`'s transform for a merged export: every adapted linear's weight as
+    `served_weight` computes it (the routed experts' per layer in the batched form their grouped
+    forward uses, then split per expert), other tensors through `then` (another transform, or
+    None). Names are relative to `model.module` where the model is wrapped, as `export_hf` reads
+    them; each rank transforms its own shards (expert parallelism: its local experts)."""
+    from beam_rl.megatron.router import BeamExperts
 
+    inner = getattr(model, "module", model)
+    adapted = {f"{n}.weight": m for n, m in inner.named_modules() if hasattr(m, "lora")}
+    experts = {n: m for n, m in inner.named_modules() if isinstance(m, BeamExperts)}
+    batched: dict = {}  # (experts module name, linear) -> W' [E, out, in] of the layer being exported
 
-def export_merged(items, model: torch.nn.Module):
-    """Wrap `convert.export_hf(...)`: yield HF tensors with the LoRA deltas merged (FP32 add, rounded once)."""
-    deltas = merged_hf_deltas(model)
-    for name, t in items:
-        yield name, (t.float() + deltas[name].to(t.device)).to(t.dtype) if name in deltas else t
+    def transform(name: str, t: torch.Tensor) -> torch.Tensor:
+        module = adapted.get(name)
+        if module is None:
+            return t if then is None else then(name, t)
+        if ".local_experts." not in name:
+            return served_weight(t, list(module.lora.A), list(module.lora.B), module.lora.scaling)
+        parent, rest = name.split(".local_experts.")
+        local, which = int(rest.split(".")[0]), rest.split(".")[1]
+        key = (parent, which)
+        if key not in batched:
+            batched.clear()  # one layer's experts at a time (export_hf walks the layers in order)
+            _, weights, ad = experts[parent]._gathered(which)
+            a, b = ad.stacked()
+            batched[key] = served_weight(torch.stack(weights), a, b, ad.scaling)
+        return batched[key][local]
+
+    return transform

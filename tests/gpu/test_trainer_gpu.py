@@ -29,6 +29,7 @@ from beam_rl.megatron import fused  # noqa: E402
 from beam_rl.model import numerics  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from grad_check import merged_lora_runs  # noqa: E402
 from grad_check import outputs_and_grads as _grads  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -157,7 +158,6 @@ def test_merged_lora_gradients_on_gpu(grouped):
     reassociated gradients (BF16 GEMMs of rank r; the grouped form on `torch._grouped_mm`'s
     per-group outer products) are its gradients within BF16 precision."""
     from beam_rl.megatron import lora
-    from beam_rl.megatron.grouped_gemm import grouped_mm
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     experts, out_f = (64, (512, 512)) if grouped else (1, (2048,))
@@ -173,20 +173,7 @@ def test_merged_lora_gradients_on_gpu(grouped):
     x = torch.randn(int(counts.sum()), HIDDEN, generator=gen, device="cuda").to(BF16).requires_grad_()
     up = torch.randn(x.shape[0], sum(out_f), generator=gen, device="cuda").to(BF16)
 
-    def run(fast):
-        for p in (p for ad in adapters for p in ad.parameters()):
-            p.grad = None
-        x.grad = None
-        if fast:
-            y = lora.merged_linear(x, w, lora.ExpertAdapters(adapters), offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
-        elif grouped:
-            y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
-        else:
-            y = torch.nn.functional.linear(x, adapters[0].merged_weight(w[0]))
-        (y.float() * up.float()).sum().backward()
-        return y.detach(), x.grad.clone(), [p.grad.clone() for ad in adapters for p in ad.parameters()]
-
-    (y, dx, grads), (y_ref, dx_ref, grads_ref) = run(True), run(False)
+    (y, dx, grads), (y_ref, dx_ref, grads_ref) = merged_lora_runs(x, w, adapters, offsets, up, grouped)
     assert torch.equal(y, y_ref)
     dx_err = ((dx - dx_ref).abs().max() / dx_ref.abs().max()).item()  # the same GEMM; bit-equal is not the contract
     worst = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, grads_ref) if r.abs().max() > 0)
