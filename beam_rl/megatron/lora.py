@@ -126,8 +126,8 @@ class LoRAAdapter(torch.nn.Module):
 
 
 def merge_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """scaling * B A in FP32: one slice's addition to its weight when merged."""
-    return scaling * (b.float() @ a.float())
+    """scaling * B A in FP32: one slice's addition to its weight when merged (a fresh tensor)."""
+    return (b.float() @ a.float()).mul_(scaling)
 
 
 @torch.no_grad()
@@ -137,8 +137,12 @@ def served_weight(w: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
     (`merged_linear`) and the merged export (`merged_transform`), so the engine is sent the
     tensors the trainer computes with. w [out, in] with A_i [r, in], B_i [out_i, r], or each
     stacked per expert ([E, ...]: the experts' grouped GEMM and their export share the batched form)."""
-    delta = torch.cat([merge_delta(ai, bi, scaling) for ai, bi in zip(a, b)], dim=-2)
-    return (w.float() + delta).to(w.dtype)
+    out, start = torch.empty_like(w), 0
+    for ai, bi in zip(a, b):  # each slice's rows: FP32 delta, + W (in place: the same sum), rounded into W'
+        rows = slice(start, start + bi.shape[-2])
+        out[..., rows, :] = merge_delta(ai, bi, scaling).add_(w[..., rows, :])
+        start = rows.stop
+    return out
 
 
 class _RoundSTE(torch.autograd.Function):

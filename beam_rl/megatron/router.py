@@ -232,10 +232,14 @@ class BeamExperts(FastPaths, SequentialMLP):
         linears it adapts: the wrapper has no weight), needs the per-expert loop."""
         from beam_rl.megatron.lora import is_lora_hook
 
-        fc = [lin for e in self.local_experts for lin in (e.linear_fc1, e.linear_fc2)]
+        if not (self.fast_paths and self.tp_group.size() == 1):
+            return False
+        # read through the modules' own dicts: nn.Module.__getattr__ per expert and linear is host time
+        # every MoE layer's forward pays
+        fc = [e._modules[n] for e in self.local_experts for n in ("linear_fc1", "linear_fc2")]
         hooked = any(lin._forward_pre_hooks or not all(map(is_lora_hook, lin._forward_hooks.values())) for lin in fc)
-        wrapped = not all(isinstance(getattr(lin, "weight", None), torch.Tensor) for lin in fc)
-        return self.fast_paths and self.tp_group.size() == 1 and not hooked and not wrapped
+        wrapped = not all(isinstance(lin._parameters.get("weight"), torch.Tensor) for lin in fc)
+        return not hooked and not wrapped
 
     def _grouped_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """fc1, SwiGLU and fc2 of every token at once: [M, hidden] -> [M, hidden] in x's dtype. LoRA as
