@@ -263,3 +263,12 @@ def test_wrapped_expert_linears_take_the_per_expert_loop(tiny_model, tiny_config
         assert not experts._grouped()
         wrapped = experts(x, counts, None)[0]
     assert torch.equal(wrapped[:3], base[:3] + 1) and torch.equal(wrapped[3:], base[3:])
+
+
+def test_merged_lora_refuses_mxfp8_linears(tiny_model, tiny_config):
+    """Merged serving computes with BF16 merged weights; an MXFP8 model's linears quantise theirs, so
+    `add_lora(merged=True)` on one is refused, naming the linear, instead of serving unquantised weights."""
+    init_single_process()
+    model = BeamModelProvider(tiny_config, mode="mxfp8-emulated").provide_loaded(tiny_model.state_dict())
+    with pytest.raises(NotImplementedError, match=r"linear_q: an MXFP8 linear"):
+        lora.add_lora(model, r=R, alpha=ALPHA, merged=True)

@@ -297,6 +297,8 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
     """Attach adapters to `model` (unwrapped or Float16Module), freeze everything else; returns the
     adapted module names. `targets`: some of DEFAULT_TARGETS + EXPERT_TARGETS; `merged`: the linears
     compute with the merged weights the engine is served (module docstring)."""
+    from beam_rl.megatron.mxfp8 import is_mxfp8_linear
+
     inner = getattr(model, "module", model)
     if inner.config.tensor_model_parallel_size != 1:
         raise NotImplementedError("LoRA on the Megatron Beam model supports tensor_model_parallel_size=1 only")
@@ -319,6 +321,9 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
         if merged:
             if getattr(module, "bias", None) is not None:
                 raise NotImplementedError(f"merged LoRA on {name}: a linear with a bias is not supported (Beam has none)")
+            if is_mxfp8_linear(module):
+                raise NotImplementedError(f"merged LoRA on {name}: an MXFP8 linear is not supported (train.mode 'lora' "
+                                          "adapts the BF16 model)")
             module.forward = types.MethodType(_merged_forward, module)
         else:
             module.register_forward_hook(_lora_hook)
@@ -394,7 +399,7 @@ def merged_transform(model: torch.nn.Module, then=None):
         key = (parent, which)
         if key not in batched:
             batched.clear()  # one layer's experts at a time (export_hf walks the layers in order)
-            _, weights, ad = experts[parent]._gathered(which)
+            weights, ad = experts[parent].gathered(which)
             a, b = ad.stacked()
             batched[key] = served_weight(torch.stack(weights), a, b, ad.scaling)
         return batched[key][local]

@@ -201,12 +201,6 @@ class BeamMoELayer(FastPaths, MoELayer):
         return d.combine(expert_rows), None
 
 
-def _weight(linear) -> torch.Tensor:
-    """The weight a linear computes with: its LoRA adapter's merged weight under merged serving."""
-    lora = getattr(linear, "lora", None)
-    return lora.merged_weight(linear.weight) if lora is not None and lora.merged else linear.weight
-
-
 class BeamExperts(FastPaths, SequentialMLP):
     """Routed SwiGLU experts returning FP32 gate-weighted outputs (combined in FP32)."""
 
@@ -252,10 +246,10 @@ class BeamExperts(FastPaths, SequentialMLP):
         quant = is_mxfp8_linear(self.local_experts[0].linear_fc1)
 
         def linear(x, which):  # each expert's linear on its rows: [M, in] -> [M, out]
-            linears, weights, adapters = self._gathered(which)
-            if adapters is not None and adapters.merged and not quant:
+            weights, adapters = self.gathered(which)
+            if adapters is not None and adapters.merged:  # (`add_lora` refuses merged adapters on MXFP8 linears)
                 return merged_linear(x, torch.stack(weights), adapters, offsets)
-            w = torch.stack([_weight(lin) for lin in linears]) if adapters is not None else torch.stack(weights)  # (E, out, in)
+            w = torch.stack(weights)  # (E, out, in)
             if quant:  # what each expert's MXFP8 linear computes with: blocks of 32 along the input dim
                 x, w = mxfp8_fake_quant(x), mxfp8_fake_quant(w)
             y = grouped_mm(x, w.transpose(1, 2), offsets)
@@ -267,10 +261,11 @@ class BeamExperts(FastPaths, SequentialMLP):
         h = self.local_experts[0].activation_func(h)  # BeamSwiGLU, rounded once
         return linear(h, "linear_fc2")
 
-    def _gathered(self, which: str):
-        """(linears, weights, `ExpertAdapters` or None) of every local expert's `which` linear, kept
-        while the first expert's weight and adapter are the same objects (a model's adapters are
-        added to all experts at once): the forward reads them without a Python access per expert."""
+    def gathered(self, which: str):
+        """(weights, `ExpertAdapters` or None) of every local expert's `which` linear ("linear_fc1",
+        "linear_fc2"), kept while the first expert's weight and adapter are the same objects (a
+        model's adapters are added to all experts at once): the forward reads them without a Python
+        access per expert."""
         from beam_rl.megatron.lora import ExpertAdapters
 
         first = getattr(self.local_experts[0], which)
@@ -280,7 +275,7 @@ class BeamExperts(FastPaths, SequentialMLP):
         if hit is None or hit[0][0] is not key[0] or hit[0][1] is not key[1]:
             linears = tuple(getattr(e, which) for e in self.local_experts)
             adapters = ExpertAdapters([lin.lora for lin in linears]) if key[1] is not None else None
-            hit = cache[which] = (key, (linears, tuple(lin.weight for lin in linears), adapters))
+            hit = cache[which] = (key, (tuple(lin.weight for lin in linears), adapters))
         return hit[1]
 
     def _per_expert_forward(self, x: torch.Tensor, tokens_per_expert) -> torch.Tensor:
