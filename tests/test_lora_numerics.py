@@ -272,3 +272,19 @@ def test_merged_lora_refuses_mxfp8_linears(tiny_model, tiny_config):
     model = BeamModelProvider(tiny_config, mode="mxfp8-emulated").provide_loaded(tiny_model.state_dict())
     with pytest.raises(NotImplementedError, match=r"linear_q: an MXFP8 linear"):
         lora.add_lora(model, r=R, alpha=ALPHA, merged=True)
+
+
+def test_merged_export_builds_each_layers_expert_weights_once(tiny_model, tiny_config, monkeypatch):
+    """The merged export (`merged_transform`) builds a MoE layer's expert weights once per linear (fc1,
+    fc2), in the batched form of the grouped forward, though `export_hf` asks for them expert by expert."""
+    from beam_rl.megatron.convert import export_hf
+
+    init_single_process()
+    model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict())
+    lora.add_lora(model, r=R, alpha=ALPHA, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
+    built = []
+    served_weight = lora.served_weight
+    monkeypatch.setattr(lora, "served_weight", lambda w, *a: built.append(w.dim()) or served_weight(w, *a))
+    exported = dict(export_hf(model, tiny_config, transform=lora.merged_transform(model)))
+    assert len(exported) == len(dict(export_hf(model, tiny_config)))
+    assert built.count(3) == 2 * tiny_config.mlp_layer_types.count("sparse")

@@ -398,7 +398,8 @@ def merged_transform(model: torch.nn.Module, then=None):
         local, which = int(rest.split(".")[0]), rest.split(".")[1]
         key = (parent, which)
         if key not in batched:
-            batched.clear()  # one layer's experts at a time (export_hf walks the layers in order)
+            if any(p != parent for p, _ in batched):  # one layer's experts at a time (export_hf walks the
+                batched.clear()                        # layers in order, each expert's fc1 then fc2)
             weights, ad = experts[parent].gathered(which)
             a, b = ad.stacked()
             batched[key] = served_weight(torch.stack(weights), a, b, ad.scaling)
