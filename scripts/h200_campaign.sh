@@ -64,7 +64,8 @@
 #                  learning runs from that warm start, 50 steps, each call's part ended with a checkpoint
 #                  before its time runs out (MATH_KEEP_S s kept to write it, default 90) and resumed by the next
 #                  call; MATH_LAST_CALL=1 (a machine's last call): no checkpoint at all (--no-checkpoints: ~16 GB
-#                  that would not outlive the machine), so MATH_KEEP_S=20 suffices; metrics.jsonl and run.json in
+#                  that would not outlive the machine), so MATH_KEEP_S=20 suffices; skipped when less than
+#                  MATH_MIN_S (default 240) would be left after MATH_KEEP_S; metrics.jsonl and run.json in
 #                  $OUT/runs/<mode>/, the input of scripts/learning_report.py (with $OUT/warm_start.json)
 #   spec_test      tests/test_rollout_spec.py on vLLM 0.26 (beam-tiny, the DFlash2 drafter distilled in the test:
 #                  greedy and R3 equal without speculation, drafts equal the reference's, adaptive verification)
@@ -154,6 +155,12 @@ run_lane() {  # lane index, stages
     while :; do
       local left=$(( BUDGET - ($(date +%s) - START) ))
       if [ "$left" -lt 30 ]; then echo "$stage skipped (no time left)" >>"$OUT/status"; break; fi
+      # a math DAPO run needs its start (~110 s: engine, checkpoint, the first step's compile) and a step
+      # before its --max-seconds stop: with less left it would only cost the call's time
+      if [[ "$stage" == math_* && "$stage" != math_warm && "$stage" != math_wait ]] && \
+         [ "$(( left - ${MATH_KEEP_S:-90} ))" -lt "${MATH_MIN_S:-240}" ]; then
+        echo "$stage skipped (${left}s left: under MATH_MIN_S=${MATH_MIN_S:-240} after MATH_KEEP_S)" >>"$OUT/status"; break
+      fi
       local t0=$(date +%s)
       run_stage "$stage" "$left" "$gpu"; rc=$?
       echo "$stage rc=$rc ${left}s-budget took $(( $(date +%s) - t0 ))s gpu=$gpu$([ $rc = 200 ] && echo ' (stalled)')" >>"$OUT/status"
