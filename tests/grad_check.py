@@ -16,12 +16,13 @@ def outputs_and_grads(fn, inputs, out_grads, diff):
 def merged_lora_runs(x, w, adapters, offsets, up, grouped: bool):
     """(output, x's gradient, every adapter parameter's gradient) of sum(y * up) for merged-serving
     LoRA, first through `lora.merged_linear`, then through the straight-through definition
-    (`LoRAAdapter.merged_weight`, then the linear's GEMM or the experts' grouped GEMM). x: a leaf
+    (`straight_through_merged`, then the linear's GEMM or the experts' grouped GEMM). x: a leaf
     requiring grad; w [E, out, in] (E = 1 for a dense linear); one adapter per expert."""
     from beam_rl.megatron import lora
     from beam_rl.megatron.grouped_gemm import grouped_mm
 
     params = [p for ad in adapters for p in ad.parameters()]
+    merged = lambda ad, w: straight_through_merged(w, ad.A, ad.B, ad.scaling)  # noqa: E731
 
     def run(fast: bool):
         for p in params:
@@ -30,10 +31,18 @@ def merged_lora_runs(x, w, adapters, offsets, up, grouped: bool):
         if fast:
             y = lora.merged_linear(x, w, lora.ExpertAdapters(adapters), offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
         elif grouped:
-            y = grouped_mm(x, torch.stack([ad.merged_weight(w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
+            y = grouped_mm(x, torch.stack([merged(ad, w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
         else:
-            y = torch.nn.functional.linear(x, adapters[0].merged_weight(w[0]))
+            y = torch.nn.functional.linear(x, merged(adapters[0], w[0]))
         (y.float() * up.float()).sum().backward()
         return y.detach(), x.grad.clone(), [p.grad.clone() for p in params]
 
     return run(True), run(False)
+
+
+def straight_through_merged(w, a, b, scaling):
+    """W' = rnd(W + [scaling * B_i A_i stacked along out]) in W's dtype (FP32 add, rounded once) under
+    autograd, the rounding straight through: the definition of merged serving's forward and of A's
+    and B's gradients, written out independently of `lora.served_weight`."""
+    exact = w.float() + torch.cat([scaling * (bi.float() @ ai.float()) for ai, bi in zip(a, b)], dim=-2)
+    return (exact + (exact.to(w.dtype).float() - exact).detach()).to(w.dtype)

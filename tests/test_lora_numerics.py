@@ -211,7 +211,7 @@ def test_merged_serving_trainer_computes_the_served_weights(tiny_model, tiny_con
 @pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
 def test_merged_linear_gradients_are_the_straight_through_ones(dtype, grouped):
     """`merged_linear` (forward x @ W'^T, A's and B's gradients reassociated so no dW' is formed) gives
-    the forward of `merged_weight`'s autograd definition bit for bit, and its gradients: equal in
+    the forward of the straight-through definition (`grad_check.straight_through_merged`) bit for bit, and its gradients: equal in
     FP32 up to summation order, within BF16 rounding in BF16; an expert with no rows gets zeros."""
     g = torch.Generator().manual_seed(9)
     experts, in_f, out_f = (3, 64, (48, 48)) if grouped else (1, 64, (80,))

@@ -85,16 +85,7 @@ class LoRAAdapter(torch.nn.Module):
     expert: int | None = None
     """The global expert number of a routed expert's adapter (its HF name's `{expert}`); None elsewhere."""
     merged: bool = False
-    """The linear computes with `merged_weight` (merged serving) instead of adding `delta`."""
-
-    def weight_delta(self) -> torch.Tensor:
-        """`merge_delta` of every slice [out, in], stacked along out: what merging adds to W."""
-        return torch.cat([merge_delta(a, b, self.scaling) for a, b in zip(self.A, self.B)], dim=0)
-
-    def merged_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """W' = rnd(W + `weight_delta`) in W's dtype (`served_weight`'s value), gradient straight through:
-        the definition `merged_linear`'s reassociated gradients are tested against."""
-        return _round(w.float() + self.weight_delta(), w.dtype).to(w.dtype)
+    """The linear computes with the merged weight (`merged_linear`, merged serving) instead of adding `delta`."""
 
     def delta(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """d = rnd(rnd(x A'^T) B'^T) per slice (module docstring), `rnd` to `dtype`: as `dtype` on CUDA
@@ -222,7 +213,7 @@ def _merged_forward(module, input_, *args, **kwargs):
 
 
 def merged_linear(x: torch.Tensor, w: torch.Tensor, adapters: LoRAAdapter | ExpertAdapters, offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W'^T with W' = rnd(W + scaling * B A) (`merged_weight`, the served weight): a linear's GEMM
+    """x @ W'^T with W' = rnd(W + scaling * B A) (`served_weight`, the served weight): a linear's GEMM
     (w [out, in], its `LoRAAdapter`) or the experts' grouped GEMM (w [E, out, in], `ExpertAdapters`,
     rows grouped by expert ending at `offsets`). Forward: W' built without autograd, then the one
     GEMM the engine runs with it (BF16, FP32 accumulation, rounded once). Backward: A's and B's

@@ -153,7 +153,7 @@ def test_grouped_experts_equal_loop_on_gpu(lora):
 @pytest.mark.parametrize("grouped", [False, True], ids=["dense", "experts"])
 def test_merged_lora_gradients_on_gpu(grouped):
     """Merged-serving LoRA (`lora.merged_linear`) at beam-mini widths: the forward equals the
-    straight-through definition's (`merged_weight`, then the GEMM) bit for bit, x's gradient is the
+    straight-through definition's (`grad_check.straight_through_merged`, then the GEMM) bit for bit, x's gradient is the
     same GEMM's, and A's and B's
     reassociated gradients (BF16 GEMMs of rank r; the grouped form on `torch._grouped_mm`'s
     per-group outer products) are its gradients within BF16 precision."""
