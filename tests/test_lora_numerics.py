@@ -288,3 +288,41 @@ def test_merged_export_builds_each_layers_expert_weights_once(tiny_model, tiny_c
     exported = dict(export_hf(model, tiny_config, transform=lora.merged_transform(model)))
     assert len(exported) == len(dict(export_hf(model, tiny_config)))
     assert built.count(3) == 2 * tiny_config.mlp_layer_types.count("sparse")
+
+
+def test_fixed_parameters_builds_each_merged_weight_once(tiny_model, tiny_config, monkeypatch):
+    """Inside `lora.fixed_parameters` (a DAPO step's old log-prob pass, one update's micro-batches) each
+    merged linear builds its W' once for every forward and backward, with the logits and gradients of
+    building it each forward bit for bit; a parameter changed inside it raises."""
+    init_single_process()
+    model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict()).train()
+    lora.add_lora(model, r=R, alpha=ALPHA, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
+    g = randomize_adapters(model, seed=11)
+    ids = torch.randint(0, tiny_config.vocab_size, (2, 24), generator=g)
+    pos = torch.arange(24).expand(2, 24)
+    builds = []
+    monkeypatch.setattr(lora, "served_weight", lambda *a, _f=lora.served_weight: builds.append(1) or _f(*a))
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        logits = model(ids, pos, None)
+        logits.float().square().mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    want = forward_backward()
+    per_forward = len(builds)
+    assert per_forward > 0
+    builds.clear()
+    with lora.fixed_parameters():
+        got = [forward_backward() for _ in range(3)]
+    assert len(builds) == per_forward  # once each, not three times
+    for logits, grads in got:
+        assert torch.equal(logits, want[0])
+        assert grads.keys() == want[1].keys() and all(torch.equal(grads[n], want[1][n]) for n in grads)
+    a = next(p for n, p in model.named_parameters() if ".local_experts." in n and ".lora.A." in n)
+    with lora.fixed_parameters():
+        forward_backward()
+        with torch.no_grad():
+            a.add_(1e-3)  # what an optimizer step does
+        with pytest.raises(RuntimeError, match="fixed_parameters"):
+            forward_backward()

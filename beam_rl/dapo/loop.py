@@ -264,17 +264,18 @@ class Job:
         # ratio's denominator and the trainer-rollout gap.
         plans = []
         gaps = []
-        for mini in minis:
-            rows = [gi * G + j for gi in mini for j in range(G)]
-            mbs, olds, advs, masks = [], [], [], []
-            for mb in batch.micro_batches(mb_size, rows):
-                old = self.policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
-                dev = old.device
-                gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])
-                keep_rows = torch.tensor([keep[i] for i in mb.indices], device=dev)
-                mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)].to(dev))
-                masks.append(mb.mask.to(dev) & keep_rows[:, None])
-            plans.append((mbs, olds, advs, masks))
+        with self.policy.fixed_weights():
+            for mini in minis:
+                rows = [gi * G + j for gi in mini for j in range(G)]
+                mbs, olds, advs, masks = [], [], [], []
+                for mb in batch.micro_batches(mb_size, rows):
+                    old = self.policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
+                    dev = old.device
+                    gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])
+                    keep_rows = torch.tensor([keep[i] for i in mb.indices], device=dev)
+                    mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)].to(dev))
+                    masks.append(mb.mask.to(dev) & keep_rows[:, None])
+                plans.append((mbs, olds, advs, masks))
         gap = torch.cat(gaps).float().cpu()
         out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
         sums: dict[str, float] = {}

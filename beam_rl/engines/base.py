@@ -13,6 +13,8 @@ reached through `start_rollout_engine` / `build_trainer` in `beam_rl.engines`.
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -256,6 +258,12 @@ class TrainerBackend(ABC):
     @abstractmethod
     def logprobs(self, batch: TrainerBatch, *, temperature: float = 1.0, replay: bool = True, grad: bool = False) -> torch.Tensor:
         """[B, T-1] log-probs of `batch` at `temperature`, the rollout's experts replayed when `replay` (R3)."""
+
+    def fixed_weights(self) -> contextlib.AbstractContextManager:
+        """A context in which the caller changes no weight (no optimizer step, no load), so the
+        backend may compute what it derives from the weights once for all the forwards in it
+        (merged LoRA's served weights)."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def supervised_step(self, input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,

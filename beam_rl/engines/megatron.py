@@ -138,19 +138,25 @@ class MegatronTrainer(TrainerBackend):
             r3.clear_replay(self.model)
         return lp
 
+    def fixed_weights(self):
+        from beam_rl.megatron.lora import fixed_parameters
+
+        return fixed_parameters()
+
     # -- one optimizer update ----------------------------------------------------------------
     def step(self, batches: list[TrainerBatch], loss: TrainLoss, *, temperature: float, replay: bool = True) -> dict[str, float]:
         optimizer = self._need_optimizer()
         sums: dict[str, float] = {}
         loss_total = 0.0
-        for i, mb in enumerate(batches):
-            lp = self.logprobs(mb, temperature=temperature, replay=replay, grad=True)
-            value, metrics = loss(lp, i)
-            value.backward()
-            r3.clear_replay(self.model)
-            loss_total += value.item()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + v
+        with self.fixed_weights():  # the micro-batches see the same weights; the optimizer steps after them
+            for i, mb in enumerate(batches):
+                lp = self.logprobs(mb, temperature=temperature, replay=replay, grad=True)
+                value, metrics = loss(lp, i)
+                value.backward()
+                r3.clear_replay(self.model)
+                loss_total += value.item()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
         sums["loss"] = loss_total
         sums["grad_norm"] = optimizer.step()
         return sums

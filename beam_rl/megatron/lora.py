@@ -44,6 +44,7 @@ table for weights and adapters).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -178,6 +179,9 @@ class ExpertAdapters:
         """Per slice A [E, r, in] and B [E, out, r] (FP32, gradients to each expert's parameters)."""
         return [torch.stack(t) for t in self.a], [torch.stack(t) for t in self.b]
 
+    def parameters(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p for t in self.a + self.b for p in t)
+
 
 def grouped_delta(x: torch.Tensor, adapters: ExpertAdapters, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Every row's `delta` by its expert's adapter, rows grouped by expert (groups ending at
@@ -212,17 +216,59 @@ def _merged_forward(module, input_, *args, **kwargs):
     return merged_linear(input_, module.weight, module.lora), None
 
 
-def merged_linear(x: torch.Tensor, w: torch.Tensor, adapters: LoRAAdapter | ExpertAdapters, offsets: torch.Tensor | None = None) -> torch.Tensor:
+_fixed: dict | None = None
+"""While `fixed_parameters` holds: id(adapters) -> (adapters, the version counters of W, A and B, W')."""
+
+
+@contextlib.contextmanager
+def fixed_parameters():
+    """A stretch of forwards and backwards between which no parameter changes (a DAPO step's old
+    log-prob pass, one update's micro-batches): in it each merged linear builds its W'
+    (`served_weight`) once and computes every forward with that tensor, the same bits as building
+    it each time, since W' is a function of W, A and B alone. Checked: a merged linear whose W, A or B
+    changed in it (their version counters: an optimizer step, a load) raises. Holds one W' per merged
+    linear until it ends, what a forward-backward holds anyway for its backward. Nests."""
+    global _fixed
+    outer = _fixed
+    _fixed = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _fixed = outer
+
+
+def _served(w: torch.Tensor | tuple[torch.Tensor, ...], adapters, a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """`served_weight` of w (one weight, or each expert's, stacked here), built once per
+    `fixed_parameters` stretch."""
+    def build():
+        return served_weight(w if isinstance(w, torch.Tensor) else torch.stack(w), a, b, adapters.scaling)
+
+    if _fixed is None:
+        return build()
+    params = ((w,) if isinstance(w, torch.Tensor) else tuple(w)) + tuple(adapters.parameters())
+    versions = tuple(p._version for p in params)
+    hit = _fixed.get(id(adapters))
+    if hit is not None:
+        if hit[1] != versions:
+            raise RuntimeError("a merged LoRA linear's weight or adapter changed inside lora.fixed_parameters(); "
+                               "step the optimizer or load weights only outside it")
+        return hit[2]
+    _fixed[id(adapters)] = (adapters, versions, build())
+    return _fixed[id(adapters)][2]
+
+
+def merged_linear(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], adapters: LoRAAdapter | ExpertAdapters,
+                  offsets: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W'^T with W' = rnd(W + scaling * B A) (`served_weight`, the served weight): a linear's GEMM
-    (w [out, in], its `LoRAAdapter`) or the experts' grouped GEMM (w [E, out, in], `ExpertAdapters`,
-    rows grouped by expert ending at `offsets`). Forward: W' built without autograd, then the one
-    GEMM the engine runs with it (BF16, FP32 accumulation, rounded once). Backward: A's and B's
+    (w [out, in], its `LoRAAdapter`) or the experts' grouped GEMM (w each expert's [out, in], `ExpertAdapters`,
+    rows grouped by expert ending at `offsets`). Forward: W' built without autograd (once per
+    `fixed_parameters` stretch), then the one GEMM the engine runs with it (BF16, FP32 accumulation, rounded once). Backward: A's and B's
     gradients through the straight-through rounding, reassociated so that dW' = g^T x [out, in]
     (per expert) is never formed: dA = s (g B)^T x and dB = s g^T (x A^T), each a pair of GEMMs of
     rank r in x's dtype with FP32 accumulation; a frozen W then costs no weight-gradient GEMM, as
     unmerged LoRA."""
     a, b = adapters.stacked() if isinstance(adapters, ExpertAdapters) else (list(adapters.A), list(adapters.B))
-    return _MergedLinear.apply(x, served_weight(w, a, b, adapters.scaling), offsets, adapters.scaling, *a, *b)
+    return _MergedLinear.apply(x, _served(w, adapters, a, b), offsets, adapters.scaling, *a, *b)
 
 
 class _MergedLinear(torch.autograd.Function):

@@ -247,9 +247,9 @@ class BeamExperts(FastPaths, SequentialMLP):
 
         def linear(x, which):  # each expert's linear on its rows: [M, in] -> [M, out]
             weights, adapters = self.gathered(which)
-            w = torch.stack(weights)  # (E, out, in)
             if adapters is not None and adapters.merged:  # (`add_lora` refuses merged adapters on MXFP8 linears)
-                return merged_linear(x, w, adapters, offsets)
+                return merged_linear(x, weights, adapters, offsets)
+            w = torch.stack(weights)  # (E, out, in)
             if quant:  # what each expert's MXFP8 linear computes with: blocks of 32 along the input dim
                 x, w = mxfp8_fake_quant(x), mxfp8_fake_quant(w)
             y = grouped_mm(x, w.transpose(1, 2), offsets)
