@@ -7,7 +7,8 @@
 # Everything under $OUT is packed into $OUT/results.tgz at the end (PACK=0 keeps the files).
 # Each argument is a lane: its stages run in order on GPU <lane index> (CUDA_VISIBLE_DEVICES);
 # with fewer GPUs than lanes the lanes run one after another, or side by side on the shared GPU with
-# SHARE_GPU=1 (host-bound stages such as two DAPO runs whose engines and trainers fit in its memory:
+# SHARE_GPU=1 on a GPU of at least SHARE_GPU_MIN_GIB (default 100: an H200, not an H100) GiB
+# (host-bound stages such as two DAPO runs whose engines and trainers fit in its memory:
 # the math recipes take 12% of the GPU for vLLM each; on an H100 two math DAPO runs started together
 # were both still compiling their engines' Triton kernels after 205 s, where one alone starts its
 # engine in ~60 s: math_wait starts the second after the first has its engine). Every stage runs under a timeout
@@ -172,6 +173,14 @@ run_lane() {  # lane index, stages
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$OUT/gpus.csv" 2>&1
+# Two math DAPO runs, engine and trainer each, need more than an H100's 80 GB: on an H100 the LoRA
+# run held 44.9 GiB when the MXFP8 run beside it ran out of memory at 34.2 GiB in its first training
+# step (2026-12-07), twice, losing that lane's call. Below SHARE_GPU_MIN_GIB the lanes share nothing.
+gpu_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null || echo 0) / 1024 ))
+if [ "$NGPU" = 1 ] && [ "${SHARE_GPU:-0}" = 1 ] && [ "$gpu_gib" -lt "${SHARE_GPU_MIN_GIB:-100}" ]; then
+  echo "SHARE_GPU=1 ignored: the GPU has ${gpu_gib} GiB, under SHARE_GPU_MIN_GIB=${SHARE_GPU_MIN_GIB:-100}; lanes run one after another" | tee -a "$OUT/status"
+  SHARE_GPU=0
+fi
 lane=0
 pids=()
 for stages in "$@"; do
