@@ -173,6 +173,12 @@ def test_recipe_base_chain(tmp_path, monkeypatch):
     assert (warm.task.name, warm.model.preset, warm.model.checkpoint) == ("math", "beam-mini", None)
     with pytest.raises(RecipeError, match="model.checkpoint: ckpt/math-mini-warm has no config.json"):
         load_recipe(repo / "recipes/math/no-r3.yaml")  # the runs start from the warm start's checkpoint: write it first
+    # unvalidated (a setting of a recipe that ran): typed, without the checks, so without the checkpoint
+    lora = load_recipe(repo / "recipes/math/lora.yaml", validate=False)
+    assert (lora.run.total_steps, lora.train.mode, lora.train.lr) == (50, "lora", 5e-4)
+    (tmp_path / "typo.yaml").write_text("run:\n  total_steps: many\n")
+    with pytest.raises(RecipeError, match="run.total_steps"):
+        load_recipe(tmp_path / "typo.yaml", validate=False)
     # the math suite's CPU rehearsal: beam-tiny on level 1, its runs from its own warm start
     rehearsal = load_recipe(repo / "recipes/math/tiny-cpu/warm.yaml")
     assert (rehearsal.model.preset, rehearsal.task.levels) == ("beam-tiny", "1")
