@@ -46,16 +46,16 @@ def adapted(tiny_model, tiny_config):
     inner = getattr(model, "module", model)
     seen: dict = {}
     targets = [(n, m) for n, m, _ in lora._targets(inner, lora.DEFAULT_TARGETS)]
-    for name, m in targets:  # registered before add_lora's hook: sees the base output
-        m.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, {}).update(x=i[0], base=o[0]))
     names = lora.add_lora(model, r=R, alpha=ALPHA)
     assert sorted(names) == sorted(n for n, _ in targets)
-    for name, m in targets:  # after it: the adapted output
-        m.register_forward_hook(lambda m, i, o, name=name: seen[name].update(y=o[0]))
+    for name, m in targets:  # the adapted linear's input and output
+        m.register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, {}).update(x=i[0], y=o[0]))
     g = randomize_adapters(model, seed=5)
     with torch.no_grad():
         ids = torch.randint(0, tiny_config.vocab_size, (2, 20), generator=g)
         model(ids, torch.arange(20).expand(2, 20), None)
+        for name, m in targets:  # the base linear's output: its class's own forward
+            seen[name]["base"] = type(m).forward(m, seen[name]["x"])[0]
     return {name: (m, seen[name]) for name, m in targets}
 
 
@@ -326,3 +326,33 @@ def test_fixed_parameters_builds_each_merged_weight_once(tiny_model, tiny_config
             a.add_(1e-3)  # what an optimizer step does
         with pytest.raises(RuntimeError, match="fixed_parameters"):
             forward_backward()
+
+
+@pytest.mark.parametrize("outs", [(48,), (40, 40)])
+def test_adapted_linear_node_is_the_base_gemm_plus_the_tensor_core_delta(outs):
+    """`_AdaptedLinear` (an adapted linear's forward on tensor cores, one autograd node): here on CPU,
+    the same bits as Megatron's base GEMM (x @ W^T) plus `_delta_bf16`, added with one rounding;
+    gradients of x, A and B equal autograd's through those operations (to the accumulation order of
+    the summed terms), W gets none, and a trainable W is refused."""
+    g = torch.Generator().manual_seed(4)
+    ad = lora.LoRAAdapter(64, outs, R, ALPHA)
+    with torch.no_grad():
+        for p in ad.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    w = (torch.randn(sum(outs), 64, generator=g) * 0.1).to(BF16)
+    x = torch.randn(5, 3, 64, generator=g).to(BF16).requires_grad_()
+    y = lora._AdaptedLinear.apply(x, w, ad.scaling, *ad.A, *ad.B)
+    up = torch.randn(y.shape, generator=g)
+    (y.float() * up).sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in ad.parameters()]
+    x.grad = None
+    ad.zero_grad()
+    ref = torch.matmul(x, w.t()) + ad._delta_bf16(x)
+    assert y.dtype == BF16 and torch.equal(y, ref)
+    (ref.float() * up).sum().backward()
+    want = [x.grad] + [p.grad for p in ad.parameters()]
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-2 * b.abs().max().item())
+    with pytest.raises(RuntimeError, match="frozen"):
+        lora._AdaptedLinear.apply(x, w.clone().requires_grad_(), ad.scaling, *ad.A, *ad.B)

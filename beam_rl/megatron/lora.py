@@ -3,7 +3,8 @@
 Targets: attention q/k/v/gate/o projections and the dense MLP (gate/up/down), and with
 `EXPERT_TARGETS` every routed expert's gate/up/down; a fused fc1 gets two adapters (gate, up) so each
 matches one HF module. Adapters hang off the existing Megatron linear modules (`module.lora`, applied
-by a forward hook; the experts' grouped GEMM path applies them as grouped GEMMs, `grouped_delta`), so
+by the linear's replaced forward, `_adapted_forward`; the experts' grouped GEMM path applies them as
+grouped GEMMs, `grouped_delta`), so
 parameter names of the base model, HF conversion and export are unchanged. RL with LoRA keeps up
 with full fine-tuning only when the MLPs are adapted ("LoRA Without Regret", Thinking Machines,
 2025); in an MoE most MLP weights are experts. vLLM serves the experts' adapters merged into the
@@ -87,6 +88,8 @@ class LoRAAdapter(torch.nn.Module):
     """The global expert number of a routed expert's adapter (its HF name's `{expert}`); None elsewhere."""
     merged: bool = False
     """The linear computes with the merged weight (`merged_linear`, merged serving) instead of adding `delta`."""
+    plain_base: bool = False
+    """The adapted linear is a plain GEMM x @ W^T (no bias, not MXFP8): `_adapted_forward` may compute it itself."""
 
     def delta(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """d = rnd(rnd(x A'^T) B'^T) per slice (module docstring), `rnd` to `dtype`: as `dtype` on CUDA
@@ -201,13 +204,62 @@ def grouped_delta(x: torch.Tensor, adapters: ExpertAdapters, offsets: torch.Tens
     return torch.cat(out, dim=-1)
 
 
-def is_lora_hook(hook) -> bool:
-    return hook is _lora_hook
+def _adapted_forward(module, input_, *args, **kwargs):
+    """An adapted linear's forward (unmerged adapters): y = rnd(base(x) + d), `delta`'s contract. For
+    BF16 x and W on tensor cores, one autograd node for the base GEMM and the adapter (`_AdaptedLinear`):
+    each node an adapted layer adds is host time every forward and backward pays (the BF16 step is
+    host-bound at beam-mini's size). Elsewhere (CPU, whose FP32 emulation matches vLLM's CPU LoRA ops;
+    an MXFP8 base) the linear's own forward, then `delta` added. Megatron's (output, output_bias)."""
+    ad, w = module.lora, module._parameters["weight"]
+    if ad.plain_base and input_.is_cuda and input_.dtype == w.dtype == torch.bfloat16 and not args and not kwargs:
+        return _AdaptedLinear.apply(input_, w, ad.scaling, *ad.A, *ad.B), None
+    out, bias = type(module).forward(module, input_, *args, **kwargs)
+    return add_rounded(out, ad.delta(input_, out.dtype)), bias
 
 
-def _lora_hook(module, inputs, output):
-    out, bias = output
-    return add_rounded(out, module.lora.delta(inputs[0], out.dtype)), bias
+class _AdaptedLinear(torch.autograd.Function):
+    """`_adapted_forward` on tensor cores: inputs x [..., in], W [out, in] (BF16, frozen), scaling,
+    A_0..A_{n-1}, B_0..B_{n-1} (FP32). Forward: the base GEMM as Megatron's linear computes it
+    (x @ W^T), then `_delta_bf16`'s operations (A' = A in BF16, B' = rnd(rnd(B) * scaling), one shrink
+    GEMM over the slices, one expand per slice), added with one rounding: the same bits as Megatron's
+    linear plus the unmerged adapter's delta. Backward: autograd's gradients of those operations,
+    written out (straight through the roundings): dx = g W + gu A'_cat, dA = (gu^T x) in FP32,
+    dB_i = (scaling g_i^T u_i) in FP32, with gu = [g_i B'_i]. W gets none: LoRA freezes the base."""
+
+    @staticmethod
+    def forward(ctx, x, w, scaling, *ab):
+        if ctx.needs_input_grad[1]:
+            raise RuntimeError("an adapted LoRA linear's base weight must be frozen (requires_grad=False); "
+                               "add_lora freezes every base parameter")
+        n, dt = len(ab) // 2, x.dtype
+        a_cat = (ab[0] if n == 1 else torch.cat(ab[:n])).to(dt)  # [n r, in]
+        b_r = [b.to(dt) * scaling for b in ab[n:]]
+        base = torch.matmul(x, w.t())
+        u = x @ a_cat.t()  # every slice's shrink in one GEMM: [..., n r]
+        r = ab[0].shape[0]
+        d = u @ b_r[0].t() if n == 1 else torch.cat([u[..., i * r:(i + 1) * r] @ b.t() for i, b in enumerate(b_r)], dim=-1)
+        ctx.scaling, ctx.n = scaling, n
+        ctx.save_for_backward(x, w, u, a_cat, *b_r)
+        return base + d
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, u, a_cat, *b_r = ctx.saved_tensors
+        n, s, r = ctx.n, ctx.scaling, a_cat.shape[0] // ctx.n
+        x2, g2, u2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1])
+        gu, grads_b, start = [], [], 0
+        for i, b in enumerate(b_r):
+            gi = g2[:, start:start + b.shape[0]]
+            start += b.shape[0]
+            gu.append(gi @ b)  # [tokens, r]
+            grads_b.append((gi.t() @ u2[:, i * r:(i + 1) * r]).mul_(s).float())
+        gu = gu[0] if n == 1 else torch.cat(gu, dim=-1)
+        grad_a = (gu.t() @ x2).float()  # [n r, in]
+        grads_a = [grad_a] if n == 1 else list(grad_a.split(r))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (g2 @ w).add_(gu @ a_cat).view(x.shape)
+        return dx, None, None, *grads_a, *grads_b
 
 
 def _merged_forward(module, input_, *args, **kwargs):
@@ -352,6 +404,7 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
         out_features = module.weight.shape[0]
         module.lora = LoRAAdapter(module.weight.shape[1], (out_features // n_out,) * n_out, r, alpha).to(module.weight.device)
         module.lora.merged = merged
+        module.lora.plain_base = getattr(module, "bias", None) is None and not is_mxfp8_linear(module)
         if "{expert}" in pattern:
             parent, local = name.split(".local_experts.")
             module.lora.expert = first_expert[parent] + int(local.split(".")[0])
@@ -363,7 +416,7 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
                                           "adapts the BF16 model)")
             module.forward = types.MethodType(_merged_forward, module)
         else:
-            module.register_forward_hook(_lora_hook)
+            module.forward = types.MethodType(_adapted_forward, module)
         names.append(name)
     return names
 

@@ -221,17 +221,15 @@ class BeamExperts(FastPaths, SequentialMLP):
         return self._per_expert_forward(x, tokens_per_expert)
 
     def _grouped(self) -> bool:
-        """The grouped GEMM path applies each linear's LoRA adapter itself; any other hook on an
-        expert's linear, or a linear wrapped in another module (Megatron-Bridge's LoRA wraps the
-        linears it adapts: the wrapper has no weight), needs the per-expert loop."""
-        from beam_rl.megatron.lora import is_lora_hook
-
+        """The grouped GEMM path applies each linear's LoRA adapter itself; a hook on an expert's
+        linear, or a linear wrapped in another module (Megatron-Bridge's LoRA wraps the linears it
+        adapts: the wrapper has no weight), needs the per-expert loop."""
         if not (self.fast_paths and self.tp_group.size() == 1):
             return False
         # read through the modules' own dicts: nn.Module.__getattr__ per expert and linear is host time
         # every MoE layer's forward pays
         fc = [e._modules[n] for e in self.local_experts for n in ("linear_fc1", "linear_fc2")]
-        hooked = any(lin._forward_pre_hooks or not all(map(is_lora_hook, lin._forward_hooks.values())) for lin in fc)
+        hooked = any(lin._forward_pre_hooks or lin._forward_hooks for lin in fc)
         wrapped = not all(isinstance(lin._parameters.get("weight"), torch.Tensor) for lin in fc)
         return not hooked and not wrapped
 

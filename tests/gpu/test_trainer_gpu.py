@@ -8,6 +8,8 @@ shapes (beam-mini widths, 4 x 1024 tokens). Skips cleanly without CUDA or megatr
 - the LM head's FP32-output BF16 GEMM against an FP32 GEMM, and its BF16 gradient;
 - grouped-GEMM experts against the per-expert loop;
 - merged-serving LoRA's reassociated gradients against the straight-through definition's;
+- unmerged LoRA's one-node adapted linear (`lora._AdaptedLinear`) against the linear's own GEMM plus
+  the adapter's delta, in a whole beam-mini forward and backward;
 - compiled log-probs against eager ones;
 - the compile policy: DAPO's changing micro-batch shapes compile the whole model's kernels twice in
   all (FlexAttention once more past one 128-token block), never once per new shape.
@@ -117,7 +119,7 @@ def test_lm_head_fp32_output_gemm():
 @pytest.mark.parametrize("lora", [False, True], ids=["base", "expert-lora"])
 def test_grouped_experts_equal_loop_on_gpu(lora):
     """The grouped GEMM experts against the per-expert loop; with LoRA adapters on the experts, the
-    grouped adapter GEMMs (`lora.grouped_delta`) against each linear's hook."""
+    grouped adapter GEMMs (`lora.grouped_delta`) against each linear's adapted forward."""
     from beam_rl.megatron import lora as lora_mod
     from beam_rl.megatron.cpu import init_single_process
     from beam_rl.megatron.provider import BeamModelProvider
@@ -148,6 +150,45 @@ def test_grouped_experts_equal_loop_on_gpu(lora):
     err = ((outs[0] - outs[1]).abs().max() / outs[1].abs().max()).item()
     print(f"\ngrouped experts vs loop ({'expert LoRA' if lora else 'base'}): {equal:.2%} of outputs bit-equal, max |diff| / max {err:.2e}")
     assert err < 1e-2
+
+
+def test_adapted_linear_node_equals_linear_plus_delta_on_gpu():
+    """Unmerged LoRA on beam-mini (attention and dense MLP adapters): the adapted linears' one-node
+    forward (`_AdaptedLinear`) against each linear's own forward with `delta` added (the path CPU and
+    MXFP8 bases take): the same log-probs bit for bit, and the adapters' gradients within BF16 precision."""
+    from beam_rl.megatron import lora
+    from beam_rl.megatron import replay as r3
+    from beam_rl.megatron.cpu import init_single_process
+    from beam_rl.megatron.logprobs import sequence_logprobs
+    from beam_rl.megatron.provider import BeamModelProvider
+    from beam_rl.model.presets import get_preset
+
+    init_single_process()
+    config = get_preset("beam-mini")
+    model = BeamModelProvider(config, mode="bf16").provide_wrapped().cuda()
+    lora.add_lora(model, r=16, alpha=32)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    adapters = [m.lora for m in model.modules() if hasattr(m, "lora")]
+    with torch.no_grad():
+        for p in (p for ad in adapters for p in ad.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.02 if p.shape[-1] == 16 else 0.01))
+    ids = torch.randint(0, config.vocab_size, (4, 512), generator=gen, device="cuda")
+    K, L, E = config.num_experts_per_tok, config.num_moe_layers, config.num_experts
+    routed = torch.rand(4, 512, L, E, generator=gen, device="cuda").argsort(-1)[..., :K]
+    runs = []
+    for plain in (True, False):
+        for ad in adapters:
+            ad.plain_base = plain
+        model.zero_grad(set_to_none=True)
+        lp, mask = sequence_logprobs(model, ids, config=config, routed_experts=routed)
+        (-(lp * mask).sum() / mask.sum()).backward()
+        r3.clear_replay(model)
+        runs.append((lp.detach(), [p.grad.clone() for ad in adapters for p in ad.parameters()]))
+    (lp, grads), (lp_ref, grads_ref) = runs
+    assert torch.equal(lp, lp_ref)
+    worst = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, grads_ref) if r.abs().max() > 0)
+    print(f"\nunmerged LoRA, one-node adapted linears: log-probs bit-equal; A/B gradients max |diff| / max {worst:.2e}")
+    assert worst < 3e-2
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["dense", "experts"])
