@@ -202,7 +202,8 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
         return d
 
     runs = [run_dir("bf16", "bf16", True, (0.25, 0.55), (1e-3, 2e-3)), run_dir("no-r3", "bf16", False, (0.25, 0.4), (5e-3, 6e-3)),
-            run_dir("bf16-lr", "bf16", True, (0.25, 0.3), (1e-3, 1e-3))]  # a variant of bf16: the bars judge the run named bf16
+            run_dir("bf16-lr", "bf16", True, (0.25, 0.3), (1e-3, 1e-3)),  # a variant of bf16: the bars judge the run named bf16
+            run_dir("lora", "lora", True, (0.25, 0.3), (1e-3, 1e-3))]  # stopped at step 2 of 50: its gain bar is not settled
     docs = tmp_path / "docs"
     (docs / "bench").mkdir(parents=True)
     (tmp_path / "warm_start.json").write_text(json.dumps({"steps": 100, "target_heldout_avg": 0.3, "eval_samples": 8,
@@ -213,7 +214,7 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
                                  "--warm-start", str(tmp_path / "warm_start.json"), "--warm-start-ran", "2026-12-04,def5678",
                                  "--note", "bf16=why it stopped", *prov]) == 0
     data = json.loads((docs / "results.json").read_text())
-    assert [r["suite"] for r in data["runs"]] == ["other", "math-test", "math-test", "math-test"]
+    assert [r["suite"] for r in data["runs"]] == ["other", "math-test", "math-test", "math-test", "math-test"]
     bf16, off = data["runs"][1:3]
     assert (bf16["mode"], bf16["r3"], bf16["steps"], bf16["avg8_before"], bf16["avg8_after"]) == ("bf16", True, 2, 0.25, 0.55)
     assert bf16["after_step"] == 2 and bf16["note"] == "why it stopped" and "note" not in off
@@ -233,7 +234,10 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     assert "| bf16: held-out avg@8 up >= 25 points in <= 50 steps | +30.0 at step 2 | met |" in body
     assert "| bf16 | bf16 | on | 2 of 50 | 0.250 | 0.550 (2) |" in body and "**bf16**: why it stopped" in body
     assert "| without R3 the gap is larger | max 6.00e-03 vs 2.00e-03 with R3 | met |" in body
-    assert headline == "other: held-out avg@8 no-r3 +15.0 points; math-test: held-out avg@8 bf16 +30.0, no-r3 +15.0, bf16-lr +5.0 points"
+    assert "| lora: held-out avg@8 up >= 25 points in <= 50 steps | +5.0 at step 2 | open: stopped after step 2 of 50 |" in body
+    assert "| the modes end within 5 points of each other | 25.0 points apart | **missed** |" in body
+    assert headline == ("other: held-out avg@8 no-r3 +15.0 points; math-test: held-out avg@8 bf16 +30.0, no-r3 +15.0, bf16-lr +5.0, "
+                        "lora +5.0 points")
     assert where == "CPU, 2026-12-05"
     with pytest.raises(SystemExit, match="--note takes RUN=TEXT with RUN one of"):
         learning_report.main([str(runs[0]), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs),
