@@ -20,6 +20,16 @@
 # Inductor's compile after "Dynamo bytecode transform time" (warm start, H200), silently for the rest
 # of the call. The beam-mini checkpoint is written once to $WORK (seed 0).
 #
+# DETACH=1 runs the campaign in its own process session (setsid), so it outlives the device call that
+# started it and goes on on the same machine (held up to 30 minutes) for DETACH_BUDGET seconds (default
+# 1500; BUDGET is then this call's wait); its files go to $WORK/campaign. Every later call
+#     bash scripts/h200_campaign.sh --wait          (BUDGET: how long this call waits, default 570)
+# waits for it to end, at most BUDGET seconds, and returns a copy of its files so far (each run's
+# metrics included). A DAPO run then crosses call boundaries without a resume (each costs its
+# engine's start and the compiles again: ~140 s for the math warm start on the H200) and a lane never
+# idles at a call's end; the math runs keep no checkpoints (MATH_LAST_CALL=1): with the machine gone,
+# nothing could resume from them. --wait needs no kit and no setup.
+#
 # Prerequisites: the gpu-kit unpacked and beam-rl's wheel installed into /tmp/beam, then
 #     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 # Stages run from $WORK, never from the repository root (the source tree would shadow the
@@ -81,6 +91,36 @@ WORK=${WORK:-/tmp/beam-work}
 BUDGET=${BUDGET:-570}
 START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
+DETACHED=$WORK/campaign
+
+snapshot() {  # the detached campaign's files so far -> $OUT (the math runs' metrics as they stand), then report
+  cp -r "$DETACHED"/. "$OUT"/ 2>/dev/null
+  rm -f "$OUT/.done"
+  for r in "$WORK"/runs/math-*; do
+    [ -f "$r/metrics.jsonl" ] && mkdir -p "$OUT/runs/${r##*/math-}" && cp "$r/metrics.jsonl" "$r/run.json" "$OUT/runs/${r##*/math-}/" 2>/dev/null
+  done
+  if [ -f "$DETACHED/.done" ]; then echo "== the detached campaign has ended"; else echo "== the detached campaign runs on (--wait again)"; fi
+}
+
+if [ "${1:-}" = "--wait" ] || [ "${DETACH:-0}" = 1 ]; then
+  if [ "${DETACH:-0}" = 1 ]; then
+    [ -f "$DETACHED/.started" ] && [ ! -f "$DETACHED/.done" ] && { echo "a detached campaign already runs in $DETACHED; use --wait"; exit 2; }
+    rm -rf "$DETACHED" && mkdir -p "$DETACHED" && touch "$DETACHED/.started"
+    DETACH=0 OUT=$DETACHED PACK=0 BUDGET=${DETACH_BUDGET:-1500} MATH_LAST_CALL=${MATH_LAST_CALL:-1} \
+      setsid nohup bash "$REPO/scripts/h200_campaign.sh" "$@" >"$DETACHED/campaign.out" 2>&1 </dev/null &
+    echo "detached campaign started (pid $!): $*; files in $DETACHED"
+  elif [ ! -f "$DETACHED/.started" ]; then
+    echo "no detached campaign in $DETACHED (start one with DETACH=1)"; exit 2
+  fi
+  while [ ! -f "$DETACHED/.done" ] && [ $(( $(date +%s) - START )) -lt $(( BUDGET - 20 )) ]; do sleep 5; done
+  snapshot
+  echo "== status =="; cat "$OUT/status" 2>/dev/null
+  for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n 15; }; done
+  if [ "${PACK:-1}" = 1 ]; then
+    tar czf "$WORK/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$WORK/results.tgz" "$OUT/results.tgz"
+  fi
+  exit 0
+fi
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONFAULTHANDLER=1
 CKPT=$WORK/beam-mini
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -201,4 +241,6 @@ for f in "$OUT"/*.log; do echo "== $(basename "$f") (tail) =="; grep -v -E "^(IN
 # The device tool returns only a few files per call: pack everything into one archive.
 if [ "${PACK:-1}" = 1 ]; then
   tar czf "$WORK/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$WORK/results.tgz" "$OUT/results.tgz"
+else
+  touch "$OUT/.done"  # a detached campaign's end, for --wait
 fi
