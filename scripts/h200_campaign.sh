@@ -69,8 +69,8 @@
 #   math_warm      beam-rl warm-start --recipe recipes/math/warm-mini-h200.yaml -> $WORK/ckpt/math-mini-warm (recompiles logged); stopped
 #                  with a resumable checkpoint before the call's time runs out (MATH_KEEP_S, as below), resumed by the next call's math_warm
 #   math_wait      waits for math_warm's checkpoint (another lane's, SHARE_GPU=1: "math_warm math_bf16" "math_wait math_no-r3"),
-#                  then (at most 300 s) for another math stage's DAPO engine to start (its log's "rollout attention
-#                  numerics" line): two engines started together were still compiling after 205 s (H100)
+#                  then (at most 300 s) for the earlier lanes' DAPO engines to start (lane k waits for k logs with the
+#                  "rollout attention numerics" line): two engines started together were still compiling after 205 s (H100)
 #   math_bf16      beam-rl dapo --recipe recipes/math/bf16.yaml (math_NAME: recipes/math/NAME.yaml, e.g. lora, mxfp8, no-r3): the
 #                  learning runs from that warm start, 50 steps, each call's part ended with a checkpoint
 #                  before its time runs out (MATH_KEEP_S s kept to write it, default 90) and resumed by the next
@@ -159,7 +159,8 @@ stage_cmd() {
     skyrl_bf16|skyrl_lora) echo "python3 -m beam_rl.cli launch $REPO/recipes/skyrl/dapo-${1#skyrl_}.yaml trainer.policy.model.path=$WORK/mini-warm \"data.train_data=['$WORK/skyrl-data/train.parquet']\" \"data.val_data=['$WORK/skyrl-data/validation.parquet']\" trainer.max_training_steps=${SKYRL_STEPS:-8} trainer.run_name=$1 trainer.log_path=$OUT/$1 trainer.ckpt_interval=1000 trainer.ckpt_path=$WORK/$1/ckpts trainer.export_path=$WORK/$1/exports ${SKYRL_ARGS:-}; rc=\$?; ray stop --force >/dev/null 2>&1; exit \$rc" ;;
     math_warm) w=$WORK/ckpt/math-mini-warm  # $2: the stage's seconds; MATH_KEEP_S of them kept for writing a resumable checkpoint
       echo "[ -f $w/warm_start.json ] && exit 0; TORCH_LOGS=recompiles python3 -m beam_rl.cli warm-start --recipe $REPO/recipes/math/warm-mini-h200.yaml --out $w \$( [ -d $w/checkpoints ] && echo --resume || echo --overwrite ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} )) && { [ ! -f $w/warm_start.json ] || cp $w/warm_start.json $OUT/; }" ;;
-    math_wait) echo "wait_until 'the warm start' 86400 'test -f $WORK/ckpt/math-mini-warm/warm_start.json'; wait_until \"the other lane's DAPO engine\" 300 'grep -qs \"rollout attention numerics\" $OUT/math_*.log'" ;;
+    # lane k waits for k DAPO engines (one per earlier lane; the warm start's does not count) to have started
+    math_wait) echo "wait_until 'the warm start' 86400 'test -f $WORK/ckpt/math-mini-warm/warm_start.json'; wait_until \"the earlier lanes' DAPO engines\" 300 '[ \$(grep -ls \"rollout attention numerics\" $OUT/math_*.log | grep -vc math_warm.log) -ge ${LANE:-1} ]'" ;;
     math_*) m=${1#math_}; r=$WORK/runs/math-$m  # any DAPO recipe of recipes/math/ (bf16, lora, mxfp8, no-r3, variants)
       # a finished run's checkpoint goes (16 GB; the disk holds few), its metrics stay: --resume then does nothing;
       # "finished" by the recipe just run (a resume may raise run.total_steps; run.json keeps the first value),
@@ -215,6 +216,9 @@ run_lane() {  # lane index, stages
 }
 
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv >"$OUT/gpus.csv" 2>&1
+# the GPU's memory and load, and each process's memory, every 10 s: what decides how many lanes share a GPU
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader -l 10 >"$OUT/gpu_load.csv" 2>/dev/null & load_pid=$!
+nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader -l 10 >"$OUT/gpu_apps.csv" 2>/dev/null & apps_pid=$!
 # Two math DAPO runs, engine and trainer each, need more than an H100's 80 GB: on an H100 the LoRA
 # run held 44.9 GiB when the MXFP8 run beside it ran out of memory at 34.2 GiB in its first training
 # step (2026-12-07), twice, losing that lane's call. Below SHARE_GPU_MIN_GIB the lanes share nothing.
@@ -227,10 +231,11 @@ lane=0
 pids=()
 for stages in "$@"; do
   gpu=$(( NGPU > 1 ? lane % NGPU : 0 ))
-  if [ "$NGPU" -gt 1 ] || [ "${SHARE_GPU:-0}" = 1 ]; then run_lane "$gpu" $stages & pids+=($!); else run_lane 0 $stages; fi
+  if [ "$NGPU" -gt 1 ] || [ "${SHARE_GPU:-0}" = 1 ]; then LANE=$lane run_lane "$gpu" $stages & pids+=($!); else LANE=$lane run_lane 0 $stages; fi
   lane=$((lane + 1))
 done
 for p in "${pids[@]}"; do wait "$p"; done
+kill "$load_pid" "$apps_pid" 2>/dev/null
 cp "$WORK/mini-h200/metrics.jsonl" "$OUT/dapo_metrics.jsonl" 2>/dev/null  # also after a timeout
 for r in "$WORK"/runs/math-*; do  # the math runs' metrics so far, also where a stage was ended
   [ -f "$r/metrics.jsonl" ] && mkdir -p "$OUT/runs/${r##*/math-}" && cp "$r/metrics.jsonl" "$r/run.json" "$OUT/runs/${r##*/math-}/" 2>/dev/null

@@ -36,3 +36,19 @@ def test_wait_without_a_detached_campaign_says_so(tmp_path):
     done = subprocess.run(["bash", str(SCRIPT), "--wait"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "WORK": str(tmp_path / "work"), "OUT": str(tmp_path / "out")})
     assert done.returncode == 2 and "no detached campaign" in done.stdout
+
+
+def test_math_wait_waits_for_one_dapo_engine_per_earlier_lane(tmp_path):
+    """Lane k's math_wait passes once k DAPO logs show their engine started (the warm start's log does
+    not count): with one such log, lane 1 passes and lane 2 waits until its stage's time ends."""
+    warm = tmp_path / "work" / "ckpt" / "math-mini-warm"
+    warm.mkdir(parents=True)
+    (warm / "warm_start.json").write_text("{}")
+    for out in ("one", "two"):
+        (tmp_path / out).mkdir()
+        (tmp_path / out / "math_bf16.log").write_text("rollout attention numerics: ...\n")
+        (tmp_path / out / "math_warm.log").write_text("rollout attention numerics: ...\n")
+    one = _run(tmp_path, "one", "bogus", "math_wait", BUDGET="60", PACK="0")
+    assert "math_wait rc=0" in one
+    two = _run(tmp_path, "two", "bogus", "bogus", "math_wait", BUDGET="45", PACK="0")
+    assert "math_wait rc=124" in two
