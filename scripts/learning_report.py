@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,6 +81,10 @@ def main(argv=None) -> int:
                     help="when and at which commit the warm start ran, where not with the runs (a warm start reused)")
     ap.add_argument("--note", action="append", default=[], metavar="RUN=TEXT",
                     help="a run's note on its page (why it falls short of a bar, where it stopped); once per run")
+    ap.add_argument("--add", action="store_true",
+                    help="add these runs to the suite's earlier ones instead of replacing them (a run of the same name is "
+                         "replaced; each keeps its own provenance and warm start): a suite whose runs took several "
+                         "machines, each with its own warm start")
     ap.add_argument("--docs", type=Path, default=ROOT / "docs", help="the docs folder to write into (default: the repository's)")
     args = ap.parse_args(argv)
     bench, results, figures = args.docs / "bench", args.docs / "results.json", args.docs / "results" / "learning"
@@ -91,18 +96,7 @@ def main(argv=None) -> int:
     notes = dict(n.split("=", 1) for n in args.note if "=" in n)
     if len(notes) != len(args.note) or not set(notes) <= {r.name for r in args.runs}:
         raise SystemExit(f"--note takes RUN=TEXT with RUN one of {sorted(r.name for r in args.runs)}; got {args.note}")
-    new = []
-    for run_dir in args.runs:
-        row, rows = run_row(run_dir, args.suite, args.title, args.recipes, prov, notes.get(run_dir.name))
-        head = {"provenance": {k: row[k] for k in ("command", *prov)}, "summary": {"suite": args.suite, "run": row["run"]}}
-        out = bench / f"learning_{args.suite}_{row['run']}.jsonl"
-        out.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
-        new.append(row)
-        print(f"{row['run']}: {row['mode']}, R3 {'on' if row['r3'] else 'off'}, {row['steps']} steps, held-out "
-              f"{row['avg8_before']:.3f} -> {row['avg8_after']:.3f} ({row['gain_points']:+.1f} points), "
-              f"max per-step gap {row['max_mean_abs_logprob_diff']}")
-    data = json.loads(results.read_text()) if results.exists() else {"runs": [], "warm_starts": []}
-    data["runs"] = [r for r in data["runs"] if r["suite"] != args.suite] + new
+    warm = None
     if args.warm_start:
         warm = {"suite": args.suite, **json.loads(args.warm_start.read_text()), **prov}
         if args.warm_start_ran:
@@ -112,11 +106,39 @@ def main(argv=None) -> int:
             warm.update(date=date, commit=commit)
         if args.warm_start_command:
             warm["command"] = args.warm_start_command
-        data["warm_starts"] = [w for w in data.get("warm_starts", []) if w["suite"] != args.suite] + [warm]
+    new = []
+    for run_dir in args.runs:
+        row, rows = run_row(run_dir, args.suite, args.title, args.recipes, prov, notes.get(run_dir.name))
+        if warm:
+            row["warm_start"] = f"{warm['date']}, {warm['commit']}"
+        head = {"provenance": {k: row[k] for k in ("command", *prov)}, "summary": {"suite": args.suite, "run": row["run"]}}
+        out = bench / f"learning_{args.suite}_{row['run']}.jsonl"
+        out.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+        new.append(row)
+        print(f"{row['run']}: {row['mode']}, R3 {'on' if row['r3'] else 'off'}, {row['steps']} steps, held-out "
+              f"{row['avg8_before']:.3f} -> {row['avg8_after']:.3f} ({row['gain_points']:+.1f} points), "
+              f"max per-step gap {row['max_mean_abs_logprob_diff']}")
+    data = json.loads(results.read_text()) if results.exists() else {"runs": [], "warm_starts": []}
+    names = {r["run"] for r in new}
+    kept = [r for r in data["runs"] if r["suite"] == args.suite and r["run"] not in names] if args.add else []
+    data["runs"] = [r for r in data["runs"] if r["suite"] != args.suite] + kept + new
+    if warm:
+        earlier = [w for w in data.get("warm_starts", []) if w["suite"] == args.suite and args.add
+                   and (w["date"], w["commit"]) != (warm["date"], warm["commit"])]
+        data["warm_starts"] = [w for w in data.get("warm_starts", []) if w["suite"] != args.suite] + earlier + [warm]
     results.write_text(json.dumps(data, indent=1) + "\n")
-    labels = [f"{r['run']} ({r['mode']}, R3 {'on' if r['r3'] else 'off'})" for r in new]
-    plot_runs(args.runs, figures / args.suite, labels=labels,
-              gap_bounds={lab: r["gap_bar"] for lab, r in zip(labels, new) if r["gap_bar"]})
+    with tempfile.TemporaryDirectory() as tmp:  # a kept run's metrics: its docs/bench file, as a run folder for the plots
+        dirs = []
+        for r in kept:
+            d = Path(tmp) / r["run"]
+            d.mkdir()
+            lines = (bench / f"learning_{args.suite}_{r['run']}.jsonl").read_text().splitlines()
+            (d / "metrics.jsonl").write_text("".join(line + "\n" for line in lines if line.strip() and "provenance" not in json.loads(line)))
+            dirs.append(d)
+        runs = kept + new
+        labels = [f"{r['run']} ({r['mode']}, R3 {'on' if r['r3'] else 'off'})" for r in runs]
+        plot_runs(dirs + list(args.runs), figures / args.suite, labels=labels,
+                  gap_bounds={lab: r["gap_bar"] for lab, r in zip(labels, runs) if r["gap_bar"]})
     print(f"-> {results}, {bench}/learning_{args.suite}_*.jsonl, {figures / args.suite}/")
     return 0
 

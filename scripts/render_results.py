@@ -83,7 +83,8 @@ INTRO: dict[str, tuple[str, str, str]] = {  # page: (title, one line for the ind
              "server on another GPU is not measured yet."),
     "learning": ("Learning", "does RL work on Beam: held-out avg@8 over DAPO steps from one warm start, per mode, R3 on and off",
                  "Sets of DAPO runs from one supervised warm start: one run per training mode (bf16, lora, mxfp8, all with "
-                 "R3) plus bf16 without R3, each set a suite with its model, task and device. Held-out avg@8 is on "
+                 "R3) plus bf16 without R3, each set a suite with its model, task and device (a suite whose runs took "
+                 "several machines lists each machine's warm start, and each run names its own). Held-out avg@8 is on "
                  "problems the runs never train on; the R3 gap is each step's mean |trainer - rollout log-prob| of its "
                  "training batch. The learning result itself is beam-mini on the math suite on one H200 "
                  "(`recipes/math/`: multi-step arithmetic and word problems with worked solutions of tens of tokens, "
@@ -608,14 +609,15 @@ def learning_page(path: Path = LEARNING) -> Page:
         runs = [r for r in data["runs"] if r["suite"] == suite]
         recs += runs
         parts.append(f"## {suite}: {runs[0]['title']}\n")
-        warm = next((w for w in data.get("warm_starts", []) if w["suite"] == suite), None)
-        if warm:
+        warms = [w for w in data.get("warm_starts", []) if w["suite"] == suite]
+        for warm in warms:  # several where the suite's runs took several machines (learning_report.py --add)
             curve = ", ".join(f"{e['heldout_avg']:.3f} (step {e['step']})" for e in warm["evaluations"])
-            parts.append(kv_table(f"{suite}: the warm start", {**warm, "command": NR if "command" not in warm else warm["command"]}, [
+            title = f"{suite}: the warm start" + (f" of {warm['date']}, {warm['commit']}" if len(warms) > 1 else "")
+            parts.append(kv_table(title, {**warm, "command": NR if "command" not in warm else warm["command"]}, [
                 ("supervised steps", warm["steps"]), ("stops at held-out avg", warm["target_heldout_avg"]),
                 (f"held-out avg@{warm['eval_samples']} on the way", curve)]))
         parts.append(table(f"{suite}: runs", runs, cols(
-            "run", "mode", ("R3", lambda r: "on" if r["r3"] else "off", ""), ("steps", lambda r: f"{r['steps']} of {r['planned_steps']}", ""),
+            "run", *(["warm start=warm_start"] if len(warms) > 1 else []), "mode", ("R3", lambda r: "on" if r["r3"] else "off", ""), ("steps", lambda r: f"{r['steps']} of {r['planned_steps']}", ""),
             "avg@8 before=avg8_before:.3f", ("avg@8 after (step)", lambda r: f"{r['avg8_after']:.3f} ({r.get('after_step', r['steps'])})", ""), "gain, points=gain_points:+.1f", "max per-step |d|=max_mean_abs_logprob_diff:.2e",
             "bar=gap_bar", "rollout tok/s=rollout_tokens_per_s:,.0f", "train tok/s=train_tokens_per_s:,.0f",
             "rollout s=rollout_s:.1f", "train s=train_s:.1f", "sync s=sync_s:.2f", "step s=step_s:.1f"),

@@ -239,6 +239,22 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     assert headline == ("other: held-out avg@8 no-r3 +15.0 points; math-test: held-out avg@8 bf16 +30.0, no-r3 +15.0, bf16-lr +5.0, "
                         "lora +5.0 points")
     assert where == "CPU, 2026-12-05"
+    # --add: a later device session's run joins the suite with its own warm start; the earlier runs stay
+    (tmp_path / "warm2.json").write_text(json.dumps({"steps": 100, "target_heldout_avg": 0.3, "eval_samples": 8,
+                                                     "evaluations": [{"step": 100, "heldout_avg": 0.33}]}))
+    mx = run_dir("mxfp8", "mxfp8", True, (0.27, 0.5), (4e-3, 5e-3))
+    assert learning_report.main([str(mx), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs), "--add",
+                                 "--warm-start", str(tmp_path / "warm2.json"), "--device", "CPU", "--date", "2026-12-08",
+                                 "--commit", "9999999"]) == 0
+    data = json.loads((docs / "results.json").read_text())
+    suite = [r for r in data["runs"] if r["suite"] == "math-test"]
+    assert [r["run"] for r in suite] == ["bf16", "no-r3", "bf16-lr", "lora", "mxfp8"]
+    assert suite[0]["date"] == "2026-12-05" and suite[-1]["date"] == "2026-12-08" and suite[-1]["warm_start"] == "2026-12-08, 9999999"
+    assert [(w["date"], w["commit"]) for w in data["warm_starts"] if w["suite"] == "math-test"] == [("2026-12-04", "def5678"), ("2026-12-08", "9999999")]
+    body, _, _ = render_results.learning_page(docs / "results.json")
+    assert "### math-test: the warm start of 2026-12-04, def5678" in body and "### math-test: the warm start of 2026-12-08, 9999999" in body
+    assert "| mxfp8 | 2026-12-08, 9999999 | mxfp8 | on | 2 of 50 |" in body
+    assert "| the modes end within 5 points of each other |" in body
     with pytest.raises(SystemExit, match="--note takes RUN=TEXT with RUN one of"):
         learning_report.main([str(runs[0]), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs),
                               "--note", "lora=not a run here", *prov])
