@@ -23,19 +23,24 @@ def merged_lora_runs(x, w, adapters, offsets, up, grouped: bool):
 
     params = [p for ad in adapters for p in ad.parameters()]
     merged = lambda ad, w: straight_through_merged(w, ad.A, ad.B, ad.scaling)  # noqa: E731
+    stack = lora.ExpertLoRA(adapters) if grouped else None  # the experts' adapters stacked, as add_lora keeps them
+
+    def per_expert_grads():  # the stacked parameters' gradients in `params` order: per expert, its A slices then B slices
+        return [p.grad[e].clone() for e in range(len(adapters)) for p in (*stack.A, *stack.B)]
 
     def run(fast: bool):
-        for p in params:
+        for p in (*params, *(stack.parameters() if stack else ())):
             p.grad = None
         x.grad = None
         if fast:
-            y = lora.merged_linear(x, w, lora.ExpertAdapters(adapters), offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
+            y = lora.merged_linear(x, w, stack, offsets) if grouped else lora.merged_linear(x, w[0], adapters[0])
         elif grouped:
             y = grouped_mm(x, torch.stack([merged(ad, w[e]) for e, ad in enumerate(adapters)]).transpose(1, 2), offsets)
         else:
             y = torch.nn.functional.linear(x, merged(adapters[0], w[0]))
         (y.float() * up.float()).sum().backward()
-        return y.detach(), x.grad.clone(), [p.grad.clone() for p in params]
+        grads = per_expert_grads() if fast and grouped else [p.grad.clone() for p in params]
+        return y.detach(), x.grad.clone(), grads
 
     return run(True), run(False)
 

@@ -234,6 +234,24 @@ def test_master_weights_keep_small_updates():
     assert w[0].item() == pytest.approx(0.9951, abs=4e-3) and w[0].item() < 1.0
 
 
+def test_master_adamw_refuses_an_optimizer_state_of_other_tensors():
+    """A checkpoint's optimizer state for other trained tensors (per-expert LoRA adapters, say, where
+    this model stacks them) is refused before anything is copied: a [r, in] tensor would otherwise
+    broadcast into a stacked [experts, r, in] one."""
+    from beam_rl.engines.megatron import MasterAdamW
+    from beam_rl.errors import InputError
+
+    stacked = torch.nn.Parameter(torch.zeros(3, 2, 4))
+    per_expert = [torch.nn.Parameter(torch.ones(2, 4)) for _ in range(3)]
+    opt = MasterAdamW([stacked], lr=1e-4)
+    saved = MasterAdamW(per_expert, lr=1e-4).state_dict()
+    with pytest.raises(InputError, match=r"3 trained tensors against 1, first difference at tensor 0 \(\(2, 4\) saved, \(3, 2, 4\) here\)"):
+        opt.load_state_dict(saved)
+    assert stacked.abs().sum() == 0
+    opt.load_state_dict(MasterAdamW([torch.nn.Parameter(torch.ones(3, 2, 4))], lr=1e-4).state_dict())
+    assert stacked.eq(1).all()
+
+
 def test_metrics_resume_truncation_and_plot(tmp_path):
     from beam_rl.dapo.metrics import MetricsWriter, read_metrics
     from beam_rl.dapo.plot import plot_run

@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from beam_rl.engines.base import TRAIN_MODES, TrainerBackend, TrainLoss
+from beam_rl.errors import InputError
 from beam_rl.megatron import replay as r3
 from beam_rl.megatron.logprobs import sequence_logprobs
 from beam_rl.model.config import BeamConfig
@@ -60,9 +61,19 @@ class MasterAdamW:
         return {"master": [m.detach().clone() for m in self.master], "opt": self.opt.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state["master"]
+        shapes, want = [tuple(t.shape) for t in saved], [tuple(m.shape) for m in self.master]
+        if shapes != want:  # checked before any copy: a mismatched tensor would broadcast into another's place
+            first = next((i for i, (a, b) in enumerate(zip(shapes, want)) if a != b), min(len(shapes), len(want)))
+            raise InputError(
+                f"the checkpoint's optimizer state does not fit this model: {len(shapes)} trained tensors against "
+                f"{len(want)}, first difference at tensor {first} ({shapes[first] if first < len(shapes) else 'none'} "
+                f"saved, {want[first] if first < len(want) else 'none'} here). It was written for other trained "
+                "parameters (another train.mode or LoRA layout; LoRA's expert adapters are one stacked tensor per "
+                "layer and linear since this version): resume with the version and recipe that wrote it, or start the run again")
         with torch.no_grad():
-            for m, saved in zip(self.master, state["master"]):
-                m.copy_(saved)
+            for m, t in zip(self.master, saved):
+                m.copy_(t)
         self.opt.load_state_dict(state["opt"])
         self._copy_back()
 

@@ -129,17 +129,18 @@ def build_gap_trainer(checkpoint: str, config: BeamConfig, opts: GapOptions) -> 
     trainer.model.eval()
     if TRAIN_MODES[opts.mode].lora:
         trainer.add_lora(opts.lora_rank, opts.lora_alpha, seed=opts.seed)  # A: PEFT's kaiming init
+        from beam_rl.megatron.lora import adapter_of
+
         g = torch.Generator().manual_seed(opts.seed + 2)
         with torch.no_grad():
-            for m in trainer.model.modules():
-                if hasattr(m, "lora"):
-                    for b in m.lora.B:
-                        b.copy_(torch.randn(b.shape, generator=g) * opts.lora_b_std)
-                    # The rollout computes with the adapter as it receives it, in BF16 (vLLM casts
-                    # LoRA weights to the model dtype): make the adapter BF16-exact so both sides
-                    # hold the same values (a trainer keeps FP32 masters and syncs rounded ones).
-                    for w in (*m.lora.A, *m.lora.B):
-                        w.copy_(w.to(torch.bfloat16).float())
+            for ad in filter(None, map(adapter_of, trainer.model.modules())):
+                for b in ad.B:
+                    b.copy_(torch.randn(b.shape, generator=g) * opts.lora_b_std)
+                # The rollout computes with the adapter as it receives it, in BF16 (vLLM casts
+                # LoRA weights to the model dtype): make the adapter BF16-exact so both sides
+                # hold the same values (a trainer keeps FP32 masters and syncs rounded ones).
+                for w in (*ad.A, *ad.B):
+                    w.copy_(w.to(torch.bfloat16).float())
     return trainer
 
 
@@ -308,7 +309,9 @@ def lora_effect(model, batch: RolloutBatch, opts: GapOptions) -> float:
     that ignored the adapter would be off (proof that the rollout applied it)."""
     import numpy as np
 
-    adapters = [m.lora for m in model.modules() if hasattr(m, "lora")]
+    from beam_rl.megatron.lora import ExpertLoRA, LoRAAdapter
+
+    adapters = [m for m in model.modules() if isinstance(m, (LoRAAdapter, ExpertLoRA))]  # what holds each scaling
     with_lora, _, _ = recompute(model, batch, replay=True, micro_batch=opts.micro_batch, progress=False)
     saved = [a.scaling for a in adapters]
     try:

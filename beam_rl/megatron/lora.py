@@ -3,8 +3,9 @@
 Targets: attention q/k/v/gate/o projections and the dense MLP (gate/up/down), and with
 `EXPERT_TARGETS` every routed expert's gate/up/down; a fused fc1 gets two adapters (gate, up) so each
 matches one HF module. Adapters hang off the existing Megatron linear modules (`module.lora`, applied
-by the linear's replaced forward, `_adapted_forward`; the experts' grouped GEMM path applies them as
-grouped GEMMs, `grouped_delta`), so
+by the linear's replaced forward, `_adapted_forward`); the routed experts' are stored stacked, one
+parameter per layer, linear and slice (`ExpertLoRA`, in the experts module's `lora`; each expert linear's
+`lora` is its `ExpertSlot` view), which the grouped GEMM path reads as they are (`grouped_delta`), so
 parameter names of the base model, HF conversion and export are unchanged. RL with LoRA keeps up
 with full fine-tuning only when the MLPs are adapted ("LoRA Without Regret", Thinking Machines,
 2025); in an MoE most MLP weights are experts. vLLM serves the experts' adapters merged into the
@@ -166,27 +167,60 @@ def add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (out.float() + delta.float()).to(out.dtype)
 
 
-class ExpertAdapters:
-    """The adapters of one expert linear (fc1 or fc2) over a rank's local experts, in expert order,
-    gathered once (`BeamExperts` keeps it): per slice the experts' A and B parameters, stacked afresh
-    by each forward in one launch per slice (one Python access per expert and slice would cost
-    more host time than the adapter GEMMs)."""
+class ExpertLoRA(torch.nn.Module):
+    """The adapters of one expert linear (fc1 or fc2) over a rank's local experts, stacked in expert
+    order: per slice A [E, r, in] and B [E, out_i, r], FP32 parameters (a `BeamExperts` module's
+    `lora[linear]`). The grouped GEMMs read them as they are, and each expert's linear sees its own
+    slices through an `ExpertSlot`. One parameter per slice, not per expert and slice: a backward
+    accumulates a few gradients instead of thousands (beam-mini: 3,840 expert adapter tensors) and no
+    forward stacks them, host time every micro-batch and optimizer step paid. Built from per-expert
+    adapters (`add_lora` initialises those, in PEFT's way and order), whose values it takes."""
 
     def __init__(self, adapters: list[LoRAAdapter]):
-        self.adapters = tuple(adapters)
-        self.scaling, self.merged = adapters[0].scaling, adapters[0].merged
-        self.a = tuple(tuple(ad.A[i] for ad in adapters) for i in range(len(adapters[0].A)))
-        self.b = tuple(tuple(ad.B[i] for ad in adapters) for i in range(len(adapters[0].B)))
+        super().__init__()
+        first = adapters[0]
+        self.scaling, self.merged, self.plain_base = first.scaling, first.merged, first.plain_base
+        self.A = torch.nn.ParameterList(torch.nn.Parameter(torch.stack([ad.A[i].detach() for ad in adapters]).clone())
+                                        for i in range(len(first.A)))
+        self.B = torch.nn.ParameterList(torch.nn.Parameter(torch.stack([ad.B[i].detach() for ad in adapters]).clone())
+                                        for i in range(len(first.B)))
+        self.slots = tuple(ExpertSlot(self, e, ad.expert) for e, ad in enumerate(adapters))
+
+    _apply = LoRAAdapter._apply
 
     def stacked(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per slice A [E, r, in] and B [E, out, r] (FP32, gradients to each expert's parameters)."""
-        return [torch.stack(t) for t in self.a], [torch.stack(t) for t in self.b]
-
-    def parameters(self) -> tuple[torch.Tensor, ...]:
-        return tuple(p for t in self.a + self.b for p in t)
+        """Per slice A [E, r, in] and B [E, out, r] (FP32, the parameters themselves)."""
+        return list(self.A), list(self.B)
 
 
-def grouped_delta(x: torch.Tensor, adapters: ExpertAdapters, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+class ExpertSlot:
+    """One local expert's adapter in its linear's `ExpertLoRA` (the expert linear's `lora`): A and B
+    are views of the stacked parameters, taken at each access so that autograd sees them, with
+    `LoRAAdapter`'s arithmetic (`delta`)."""
+
+    def __init__(self, stack: ExpertLoRA, index: int, expert: int | None):
+        self.stack, self.index, self.expert = stack, index, expert
+
+    A = property(lambda self: [a[self.index] for a in self.stack.A])
+    B = property(lambda self: [b[self.index] for b in self.stack.B])
+    scaling = property(lambda self: self.stack.scaling)
+    merged = property(lambda self: self.stack.merged)
+    plain_base = property(lambda self: self.stack.plain_base)
+    delta = LoRAAdapter.delta
+    _delta_bf16 = LoRAAdapter._delta_bf16
+
+    def parameters(self):
+        return self.stack.parameters()
+
+
+def adapter_of(module: torch.nn.Module) -> LoRAAdapter | ExpertSlot | None:
+    """An adapted linear's adapter; None for any other module (a `BeamExperts` module's `lora` holds
+    its experts' stacked adapters, not one linear's)."""
+    ad = getattr(module, "lora", None)
+    return ad if isinstance(ad, (LoRAAdapter, ExpertSlot)) else None
+
+
+def grouped_delta(x: torch.Tensor, adapters: ExpertLoRA, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Every row's `delta` by its expert's adapter, rows grouped by expert (groups ending at
     `offsets`, one adapter per group): the same contract, as grouped GEMMs for BF16 x on tensor
     cores, else each group's `delta`."""
@@ -194,7 +228,7 @@ def grouped_delta(x: torch.Tensor, adapters: ExpertAdapters, offsets: torch.Tens
 
     if not (x.is_cuda and x.dtype == dtype == torch.bfloat16):
         ends = offsets.tolist()
-        parts = [a.delta(x[start:end], dtype) for a, start, end in zip(adapters.adapters, [0] + ends[:-1], ends)]
+        parts = [a.delta(x[start:end], dtype) for a, start, end in zip(adapters.slots, [0] + ends[:-1], ends)]
         return torch.cat(parts, dim=0)
     a, b = adapters.stacked()
     r = a[0].shape[1]
@@ -309,17 +343,17 @@ def _served(w: torch.Tensor | tuple[torch.Tensor, ...], adapters, a: list[torch.
     return _fixed[id(adapters)][2]
 
 
-def merged_linear(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], adapters: LoRAAdapter | ExpertAdapters,
+def merged_linear(x: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, ...], adapters: LoRAAdapter | ExpertSlot | ExpertLoRA,
                   offsets: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W'^T with W' = rnd(W + scaling * B A) (`served_weight`, the served weight): a linear's GEMM
-    (w [out, in], its `LoRAAdapter`) or the experts' grouped GEMM (w each expert's [out, in], `ExpertAdapters`,
+    (w [out, in], its `LoRAAdapter` or `ExpertSlot`) or the experts' grouped GEMM (w each expert's [out, in], `ExpertLoRA`,
     rows grouped by expert ending at `offsets`). Forward: W' built without autograd (once per
     `fixed_parameters` stretch), then the one GEMM the engine runs with it (BF16, FP32 accumulation, rounded once). Backward: A's and B's
     gradients through the straight-through rounding, reassociated so that dW' = g^T x [out, in]
     (per expert) is never formed: dA = s (g B)^T x and dB = s g^T (x A^T), each a pair of GEMMs of
     rank r in x's dtype with FP32 accumulation; a frozen W then costs no weight-gradient GEMM, as
     unmerged LoRA."""
-    a, b = adapters.stacked() if isinstance(adapters, ExpertAdapters) else (list(adapters.A), list(adapters.B))
+    a, b = adapters.stacked() if isinstance(adapters, ExpertLoRA) else (list(adapters.A), list(adapters.B))
     return _MergedLinear.apply(x, _served(w, adapters, a, b), offsets, adapters.scaling, *a, *b)
 
 
@@ -418,17 +452,30 @@ def add_lora(model: torch.nn.Module, *, r: int = 8, alpha: float = 16.0, targets
         else:
             module.forward = types.MethodType(_adapted_forward, module)
         names.append(name)
+    for experts in (m for m in inner.modules() if hasattr(m, "local_experts")):  # each expert linear's adapters, stacked
+        for which in ("linear_fc1", "linear_fc2"):
+            linears = [getattr(e, which) for e in experts.local_experts]
+            if not all(isinstance(getattr(lin, "lora", None), LoRAAdapter) for lin in linears):
+                continue
+            stack = ExpertLoRA([lin.lora for lin in linears])
+            if "lora" not in experts._modules:
+                experts.lora = torch.nn.ModuleDict()
+            experts.lora[which] = stack
+            for lin, slot in zip(linears, stack.slots):
+                del lin.lora  # the per-expert parameters go; the slot reads the stacked ones
+                lin.lora = slot
     return names
 
 
 def peft_items(model: torch.nn.Module, layer_offset: int = 0):
     inner = getattr(model, "module", model)
     for name, module in inner.named_modules():
-        if not hasattr(module, "lora"):
+        ad = adapter_of(module)
+        if ad is None:
             continue
         layer = int(name.split(".")[2]) + layer_offset
-        for hf, a, b in zip(LORA_MODULES[_pattern(name)], module.lora.A, module.lora.B):
-            yield hf.format(layer=layer, expert=module.lora.expert), module.lora.scaling, a, b
+        for hf, a, b in zip(LORA_MODULES[_pattern(name)], ad.A, ad.B):
+            yield hf.format(layer=layer, expert=ad.expert), ad.scaling, a, b
 
 
 def save_peft_adapter(model: torch.nn.Module, path: str | os.PathLike, config: BeamConfig, *, r: int, alpha: float,
@@ -474,7 +521,7 @@ def merged_transform(model: torch.nn.Module, then=None):
     from beam_rl.megatron.router import BeamExperts
 
     inner = getattr(model, "module", model)
-    adapted = {f"{n}.weight": m for n, m in inner.named_modules() if hasattr(m, "lora")}
+    adapted = {f"{n}.weight": m for n, m in inner.named_modules() if adapter_of(m) is not None}
     experts = {n: m for n, m in inner.named_modules() if isinstance(m, BeamExperts)}
     batched: dict = {}  # (experts module name, linear) -> W' [E, out, in] of the layer being exported
 

@@ -260,19 +260,17 @@ class BeamExperts(FastPaths, SequentialMLP):
         return linear(h, "linear_fc2")
 
     def gathered(self, which: str):
-        """(weights, `ExpertAdapters` or None) of every local expert's `which` linear ("linear_fc1",
+        """(weights, `lora.ExpertLoRA` or None) of every local expert's `which` linear ("linear_fc1",
         "linear_fc2"), kept while the first expert's weight and adapter are the same objects (a
         model's adapters are added to all experts at once): the forward reads them without a Python
         access per expert."""
-        from beam_rl.megatron.lora import ExpertAdapters
-
         first = getattr(self.local_experts[0], which)
         key = (first.weight, getattr(first, "lora", None))
         cache = self.__dict__.setdefault("_gathered_linears", {})
         hit = cache.get(which)
         if hit is None or hit[0][0] is not key[0] or hit[0][1] is not key[1]:
             linears = tuple(getattr(e, which) for e in self.local_experts)
-            adapters = ExpertAdapters([lin.lora for lin in linears]) if key[1] is not None else None
+            adapters = key[1].stack if key[1] is not None else None  # the experts' stacked adapters (add_lora)
             hit = cache[which] = (key, (tuple(lin.weight for lin in linears), adapters))
         return hit[1]
 

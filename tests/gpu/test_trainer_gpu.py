@@ -135,7 +135,7 @@ def test_grouped_experts_equal_loop_on_gpu(lora):
         lora_mod.add_lora(model, r=16, alpha=32, targets=lora_mod.EXPERT_TARGETS)
         with torch.no_grad():
             for n, p in experts.named_parameters():
-                if ".lora." in n:
+                if n.startswith("lora."):  # the experts' stacked adapters
                     p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.05 if ".B." in n else 0.02))
     counts = torch.randint(0, 4096, (len(experts.local_experts),), generator=gen, device="cuda")
     counts[3] = 0
@@ -168,7 +168,7 @@ def test_adapted_linear_node_equals_linear_plus_delta_on_gpu():
     model = BeamModelProvider(config, mode="bf16").provide_wrapped().cuda()
     lora.add_lora(model, r=16, alpha=32)
     gen = torch.Generator(device="cuda").manual_seed(6)
-    adapters = [m.lora for m in model.modules() if hasattr(m, "lora")]
+    adapters = list(filter(None, map(lora.adapter_of, model.modules())))
     with torch.no_grad():
         for p in (p for ad in adapters for p in ad.parameters()):
             p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * (0.02 if p.shape[-1] == 16 else 0.01))
@@ -221,8 +221,9 @@ def test_merged_lora_gradients_on_gpu(grouped):
     print(f"\nmerged LoRA ({'experts' if grouped else 'dense'}): forward bit-equal; dx max |diff| / max {dx_err:.2e}; "
           f"A/B gradients max |diff| / max {worst:.2e}")
     assert dx_err < 1e-2 and worst < 3e-2
-    if grouped:
-        assert all(p.grad.abs().sum() == 0 for p in adapters[3].parameters())
+    if grouped:  # expert 3 had no rows: zeros in its slices of the stacked gradients
+        per = len(grads) // experts
+        assert all(g.abs().sum() == 0 for g in grads[3 * per:4 * per])
 
 
 def test_compiled_logprobs_equal_eager():
