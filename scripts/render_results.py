@@ -397,6 +397,7 @@ def trainer_page() -> Page:
         ("tokens/s in the train phase", span([r["train_tokens_per_s"] for r in dsteps if "train_s" in r], "{:,.0f}")),
         ("R3 gap per step, mean |d|", span([r["mean_abs_logprob_diff"] for r in dsteps if "train_s" in r], "{:.2e}"))])
     host = [{**d["provenance"], "mode": r["mode"], **h} for r in speed if r["mode"] in ("bf16", "lora") for h in r.get("host_top", [])[:8]]
+    hd = load("train_host_cpu.json")
     title = f"{speed[0]['preset']}, {speed[0]['tokens_per_step']} tokens per step (batch 4 x 4096), one step"
     body = record_tables("trainer_parity.json") + record_tables("trainer_gpu_tests.json") + [
         table(f"Training step speed, {title}", speed,
@@ -423,6 +424,13 @@ def trainer_page() -> Page:
         table("Where the host goes: one cProfiled step, the 8 functions with the most own time (cProfile slows "
               "Python, so these rank the host work rather than time it)", host,
               cols("mode", "function", "calls", "own ms=own_ms:.1f", "cumulative ms=cumulative_ms:.1f")),
+        table("Host time per step by mode, on CPU: beam-mini's layers, experts and adapters at width 64, so the arithmetic "
+              "is negligible (batch 2 x 32, one thread, AdamW)", [{**hd["provenance"], **r} for r in hd["rows"]],
+              cols("mode", "trained tensors=trained_tensors", "forward ms=forward_ms:.1f", "backward ms=backward_ms:.1f",
+                   "optimizer ms=optimizer_ms:.1f", "step ms=step_ms:.1f", "x bf16=vs_bf16:.2f"),
+              "The CPU runs the experts' grouped GEMMs as per-expert loops, which the GPU does not: the figures rank the "
+              "modes' host costs, they are not GPU step times. `lora-merged` stacks the routed experts' adapters into one "
+              "tensor per layer, linear and slice (192 trained tensors, where one per expert and slice made 3,972)."),
     ]
     bf = by["bf16"]
     return ("\n".join(body),

@@ -261,3 +261,23 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     (runs[0] / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.0}\n')  # resumed past step 0: nothing to compare with
     with pytest.raises(SystemExit, match="no step-0 held-out"):
         learning_report.main([str(runs[0]), "--suite", "math-test", "--title", "t", "--recipes", "recipes/math", "--docs", str(docs), *prov])
+
+
+def test_bench_host_times_each_mode_against_bf16_in_the_same_run(tmp_path):
+    """scripts/bench_host.py on CPU: bf16 first (the ratios' baseline), the trained tensors of each
+    mode (merged LoRA's routed-expert adapters stacked: one tensor per layer, linear and slice)."""
+    import json
+
+    import bench_host
+
+    out = tmp_path / "host.json"
+    assert bench_host.main(["--modes", "lora-merged", "--steps", "1", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert [r["mode"] for r in d["rows"]] == ["bf16", "lora-merged"] and d["rows"][0]["vs_bf16"] == 1.0
+    c = bench_host.narrow_mini()
+    dense, moe = c.mlp_layer_types.count("dense"), c.mlp_layer_types.count("sparse")
+    attention = c.num_hidden_layers * 5 * 2  # q, k, v, gate, o: A and B each
+    assert d["rows"][1]["trained_tensors"] == attention + dense * 6 + moe * 6  # fc1 (gate, up) + fc2: A and B per slice
+    assert all(r["step_ms"] > 0 for r in d["rows"]) and d["provenance"]["command"].startswith("python scripts/bench_host.py")
+    with pytest.raises(SystemExit, match="--steps"):
+        bench_host.main(["--steps", "0"])
