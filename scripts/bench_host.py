@@ -36,17 +36,15 @@ def narrow_mini():
 
 
 def bench(mode: str, steps: int) -> dict:
-    from beam_rl.megatron import lora
+    from bench_train import add_adapters
+
     from beam_rl.megatron import replay as r3
     from beam_rl.megatron.logprobs import sequence_logprobs
     from beam_rl.megatron.provider import BeamModelProvider
 
     config = narrow_mini()
     model = BeamModelProvider(config, mode="bf16").provide_wrapped().train()
-    if mode == "lora":
-        lora.add_lora(model, r=16, alpha=32)
-    elif mode == "lora-merged":
-        lora.add_lora(model, r=16, alpha=32, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
+    add_adapters(model, mode)  # bench_train's modes
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-6)
     g = torch.Generator().manual_seed(0)

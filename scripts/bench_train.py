@@ -192,8 +192,18 @@ class ForwardTimer:
         return {k: round(v, 2) for k, v in out.items()}
 
 
-def bench(mode: str, args) -> dict:
+def add_adapters(model, mode: str) -> None:
+    """A mode's LoRA adapters: `lora` rank 16 on attention and the dense MLPs, `lora-merged` on those
+    and every routed expert under merged serving; none for the other modes."""
     from beam_rl.megatron import lora
+
+    if mode == "lora":
+        lora.add_lora(model, r=16, alpha=32)
+    elif mode == "lora-merged":
+        lora.add_lora(model, r=16, alpha=32, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
+
+
+def bench(mode: str, args) -> dict:
     from beam_rl.megatron import replay as r3
     from beam_rl.megatron.fused import set_fast_paths
     from beam_rl.megatron.logprobs import logprobs_from_logits, sequence_logprobs
@@ -210,10 +220,7 @@ def bench(mode: str, args) -> dict:
         model = provider.provide_wrapped().cuda().train()
         if mode == "baseline":
             set_fast_paths(model, False)
-        if mode == "lora":
-            lora.add_lora(model, r=16, alpha=32)
-        if mode == "lora-merged":
-            lora.add_lora(model, r=16, alpha=32, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
+        add_adapters(model, mode)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-6)
     g = torch.Generator().manual_seed(0)
