@@ -359,3 +359,17 @@ def test_adapted_linear_node_is_the_base_gemm_plus_the_tensor_core_delta(outs):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-2 * b.abs().max().item())
     with pytest.raises(RuntimeError, match="frozen"):
         lora._AdaptedLinear.apply(x, w.clone().requires_grad_(), ad.scaling, *ad.A, *ad.B)
+
+
+def test_adapters_stay_fp32_when_the_model_is_cast(tiny_model, tiny_config):
+    """A cast of the whole model (`.bfloat16()`, as Float16Module wraps) leaves every adapter FP32, the
+    experts' stacked ones included, and their values unrounded."""
+    init_single_process()
+    model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict())
+    lora.add_lora(model, r=R, alpha=ALPHA, targets=lora.DEFAULT_TARGETS + lora.EXPERT_TARGETS, merged=True)
+    randomize_adapters(model, seed=12)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".lora." in n}
+    assert any(".experts.lora." in n for n in before)
+    model.bfloat16()
+    after = dict(model.named_parameters())
+    assert all(after[n].dtype == torch.float32 and torch.equal(after[n], before[n]) for n in before)

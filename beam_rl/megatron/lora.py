@@ -67,7 +67,19 @@ EXPERT_TARGETS = ("experts.linear_fc1", "experts.linear_fc2")
 _NUMBERED = re.compile(r"^decoder\.layers\.\d+\.|local_experts\.\d+\.")
 
 
-class LoRAAdapter(torch.nn.Module):
+class _FP32Parameters(torch.nn.Module):
+    """A module whose parameters stay FP32 when the model is cast (`.to(dtype)`, `.bfloat16()`,
+    Float16Module's wrapping): only moves between devices apply."""
+
+    def _apply(self, fn, recurse=True):
+        def keep_fp32(t):
+            moved = fn(t)
+            return t.to(device=moved.device) if moved.dtype != t.dtype else moved
+
+        return super()._apply(keep_fp32, recurse)
+
+
+class LoRAAdapter(_FP32Parameters):
     """One or two (A, B) pairs; two for a fused [gate | up] fc1. A, B are FP32."""
 
     def __init__(self, in_features: int, out_features: tuple[int, ...], r: int, alpha: float):
@@ -77,13 +89,6 @@ class LoRAAdapter(torch.nn.Module):
         self.B = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(o, r)) for o in out_features)
         for a in self.A:
             torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # PEFT's default init (B = 0)
-
-    def _apply(self, fn, recurse=True):
-        def keep_fp32(t):
-            moved = fn(t)
-            return t.to(device=moved.device) if moved.dtype != t.dtype else moved
-
-        return super()._apply(keep_fp32, recurse)
 
     expert: int | None = None
     """The global expert number of a routed expert's adapter (its HF name's `{expert}`); None elsewhere."""
@@ -167,7 +172,7 @@ def add_rounded(out: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (out.float() + delta.float()).to(out.dtype)
 
 
-class ExpertLoRA(torch.nn.Module):
+class ExpertLoRA(_FP32Parameters):
     """The adapters of one expert linear (fc1 or fc2) over a rank's local experts, stacked in expert
     order: per slice A [E, r, in] and B [E, out_i, r], FP32 parameters (a `BeamExperts` module's
     `lora[linear]`). The grouped GEMMs read them as they are, and each expert's linear sees its own
@@ -185,8 +190,6 @@ class ExpertLoRA(torch.nn.Module):
         self.B = torch.nn.ParameterList(torch.nn.Parameter(torch.stack([ad.B[i].detach() for ad in adapters]).clone())
                                         for i in range(len(first.B)))
         self.slots = tuple(ExpertSlot(self, e, ad.expert) for e, ad in enumerate(adapters))
-
-    _apply = LoRAAdapter._apply
 
     def stacked(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per slice A [E, r, in] and B [E, out, r] (FP32, the parameters themselves)."""
