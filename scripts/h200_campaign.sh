@@ -85,7 +85,7 @@
 #   drafter        beam-rl train-drafter on the math warm start ($WORK/ckpt/math-mini-warm) -> $WORK/drafter-math;
 #                  the held-out acceptance curve in $OUT/train_drafter.json (DRAFTER_ARGS, e.g. "--steps 600")
 set -uo pipefail
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+REPO=${CAMPAIGN_REPO:-$(cd "$(dirname "$0")/.." && pwd)}  # a detached campaign runs from a copy of this file
 OUT=${OUT:-$REPO/runs/h200}
 WORK=${WORK:-/tmp/beam-work}
 BUDGET=${BUDGET:-570}
@@ -106,8 +106,11 @@ if [ "${1:-}" = "--wait" ] || [ "${DETACH:-0}" = 1 ]; then
   if [ "${DETACH:-0}" = 1 ]; then
     [ -f "$DETACHED/.started" ] && [ ! -f "$DETACHED/.done" ] && { echo "a detached campaign already runs in $DETACHED; use --wait"; exit 2; }
     rm -rf "$DETACHED" && mkdir -p "$DETACHED" && touch "$DETACHED/.started"
-    DETACH=0 OUT=$DETACHED PACK=0 BUDGET=${DETACH_BUDGET:-1500} MATH_LAST_CALL=${MATH_LAST_CALL:-1} \
-      setsid nohup bash "$REPO/scripts/h200_campaign.sh" "$@" >"$DETACHED/campaign.out" 2>&1 </dev/null &
+    # bash reads a script as it runs it, and a later device call copies the working tree again: the
+    # detached campaign runs from its own copy of this file
+    cp "$REPO/scripts/h200_campaign.sh" "$DETACHED/campaign.sh"
+    CAMPAIGN_REPO=$REPO DETACH=0 OUT=$DETACHED PACK=0 BUDGET=${DETACH_BUDGET:-1500} MATH_LAST_CALL=${MATH_LAST_CALL:-1} \
+      setsid nohup bash "$DETACHED/campaign.sh" "$@" >"$DETACHED/campaign.out" 2>&1 </dev/null &
     echo "detached campaign started (pid $!): $*; files in $DETACHED"
   elif [ ! -f "$DETACHED/.started" ]; then
     echo "no detached campaign in $DETACHED (start one with DETACH=1)"; exit 2

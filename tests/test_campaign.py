@@ -29,7 +29,7 @@ def test_detached_campaign_runs_on_past_its_call_and_wait_returns_its_files(tmp_
     assert "math_wait rc=124" in waited  # ended by its timeout, ~35 s after it started, not with the first call
     with tarfile.open(tmp_path / "call2" / "results.tgz") as tar:
         names = {Path(n).name for n in tar.getnames()}
-    assert {"status", "math_wait.log", "campaign.out"} <= names and ".done" not in names
+    assert {"status", "math_wait.log", "campaign.out", "campaign.sh"} <= names and ".done" not in names  # it ran from its copy
 
 
 def test_wait_without_a_detached_campaign_says_so(tmp_path):
