@@ -40,7 +40,7 @@ def randomize_adapters(model: torch.nn.Module, seed: int) -> torch.Generator:
 @pytest.fixture(scope="module")
 def adapted(tiny_model, tiny_config):
     """BF16 Megatron beam-tiny with adapters holding random, not BF16-exact A and B; per adapted module
-    the input, the base output (before the LoRA hook) and the final output of one forward."""
+    the input, the base output (the linear class's own forward) and the final output of one forward."""
     init_single_process()
     model = BeamModelProvider(tiny_config, mode="bf16").provide_loaded(tiny_model.state_dict()).eval()
     inner = getattr(model, "module", model)
@@ -150,9 +150,9 @@ def test_tensor_core_delta_rounds_as_the_contract():
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
-def test_expert_adapters_grouped_path_equals_the_per_expert_hooks(tiny_model, tiny_config):
+def test_expert_adapters_grouped_path_equals_the_per_expert_loop(tiny_model, tiny_config):
     """With adapters on the routed experts, the experts' grouped GEMM path (`grouped_delta`) computes
-    what the per-expert loop with each linear's LoRA hook computes, forward and gradients, and every
+    what the per-expert loop with each linear's adapted forward computes, forward and gradients, and every
     expert that got tokens gets a gradient."""
     from beam_rl.megatron.router import BeamExperts
 
