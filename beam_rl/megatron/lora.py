@@ -117,13 +117,20 @@ class LoRAAdapter(_FP32Parameters):
         B' = rnd(rnd(B) * scaling) (a BF16 tensor times a Python float computes in FP32 and rounds
         once), and their gradients pass straight through, as `_RoundSTE`'s. Few ops: every one is a
         host-side launch in each adapted layer's forward and backward."""
-        dtype = x.dtype
-        if len(self.A) == 1:
-            a, b = self.A[0].to(dtype), self.B[0].to(dtype) * self.scaling
-            return (x @ a.t()) @ b.t()
-        u = x @ torch.cat(list(self.A)).to(dtype).t()  # every slice's shrink in one GEMM: [..., slices * r]
-        r = self.A[0].shape[0]
-        return torch.cat([u[..., i * r:(i + 1) * r] @ (b.to(dtype) * self.scaling).t() for i, b in enumerate(self.B)], dim=-1)
+        return _tensor_core_delta(x, list(self.A), list(self.B), self.scaling)[0]
+
+
+def _tensor_core_delta(x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], scaling: float):
+    """(d, u, A'_cat, [B'_i]) of `LoRAAdapter._delta_bf16`'s operations in x's dtype: A'_cat = the
+    slices' A stacked along r and cast, B'_i = B_i cast then times scaling, u = x A'_cat^T (every
+    slice's shrink in one GEMM: [..., slices * r]), d = [u_i B'_i^T] (one expand per slice). The
+    intermediates are what `_AdaptedLinear` keeps for its backward."""
+    dtype, r = x.dtype, a[0].shape[0]
+    a_cat = (a[0] if len(a) == 1 else torch.cat(a)).to(dtype)
+    b_r = [bi.to(dtype) * scaling for bi in b]
+    u = x @ a_cat.t()
+    d = u @ b_r[0].t() if len(b) == 1 else torch.cat([u[..., i * r:(i + 1) * r] @ bi.t() for i, bi in enumerate(b_r)], dim=-1)
+    return d, u, a_cat, b_r
 
 
 def merge_delta(a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -268,13 +275,9 @@ class _AdaptedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             raise RuntimeError("an adapted LoRA linear's base weight must be frozen (requires_grad=False); "
                                "add_lora freezes every base parameter")
-        n, dt = len(ab) // 2, x.dtype
-        a_cat = (ab[0] if n == 1 else torch.cat(ab[:n])).to(dt)  # [n r, in]
-        b_r = [b.to(dt) * scaling for b in ab[n:]]
+        n = len(ab) // 2
         base = torch.matmul(x, w.t())
-        u = x @ a_cat.t()  # every slice's shrink in one GEMM: [..., n r]
-        r = ab[0].shape[0]
-        d = u @ b_r[0].t() if n == 1 else torch.cat([u[..., i * r:(i + 1) * r] @ b.t() for i, b in enumerate(b_r)], dim=-1)
+        d, u, a_cat, b_r = _tensor_core_delta(x, list(ab[:n]), list(ab[n:]), scaling)
         ctx.scaling, ctx.n = scaling, n
         ctx.save_for_backward(x, w, u, a_cat, *b_r)
         return base + d
