@@ -93,13 +93,19 @@ START=$(date +%s)
 mkdir -p "$OUT" "$WORK"
 DETACHED=$WORK/campaign
 
-snapshot() {  # the detached campaign's files so far -> $OUT (the math runs' metrics as they stand), then report
-  cp -r "$DETACHED"/. "$OUT"/ 2>/dev/null
-  rm -f "$OUT/.done"
+copy_math_runs() {  # the math runs' metrics so far -> $OUT/runs/<mode>/, also where a stage was ended
   for r in "$WORK"/runs/math-*; do
     [ -f "$r/metrics.jsonl" ] && mkdir -p "$OUT/runs/${r##*/math-}" && cp "$r/metrics.jsonl" "$r/run.json" "$OUT/runs/${r##*/math-}/" 2>/dev/null
   done
-  if [ -f "$DETACHED/.done" ]; then echo "== the detached campaign has ended"; else echo "== the detached campaign runs on (--wait again)"; fi
+}
+
+report() {  # the status and the last $1 lines of each log; with PACK=1 (default) everything under $OUT in one
+  # archive: the device tool returns only a few files per call
+  echo "== status =="; cat "$OUT/status" 2>/dev/null
+  for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n "$1"; }; done
+  if [ "${PACK:-1}" = 1 ]; then
+    tar czf "$WORK/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$WORK/results.tgz" "$OUT/results.tgz"
+  fi
 }
 
 if [ "${1:-}" = "--wait" ] || [ "${DETACH:-0}" = 1 ]; then
@@ -116,12 +122,11 @@ if [ "${1:-}" = "--wait" ] || [ "${DETACH:-0}" = 1 ]; then
     echo "no detached campaign in $DETACHED (start one with DETACH=1)"; exit 2
   fi
   while [ ! -f "$DETACHED/.done" ] && [ $(( $(date +%s) - START )) -lt $(( BUDGET - 20 )) ]; do sleep 5; done
-  snapshot
-  echo "== status =="; cat "$OUT/status" 2>/dev/null
-  for f in "$OUT"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n 15; }; done
-  if [ "${PACK:-1}" = 1 ]; then
-    tar czf "$WORK/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$WORK/results.tgz" "$OUT/results.tgz"
-  fi
+  cp -r "$DETACHED"/. "$OUT"/ 2>/dev/null  # its files so far, the math runs' metrics as they stand
+  rm -f "$OUT/.done"
+  copy_math_runs
+  if [ -f "$DETACHED/.done" ]; then echo "== the detached campaign has ended"; else echo "== the detached campaign runs on (--wait again)"; fi
+  report 15
   exit 0
 fi
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn PYTHONFAULTHANDLER=1
@@ -240,15 +245,6 @@ done
 for p in "${pids[@]}"; do wait "$p"; done
 kill "$load_pid" "$apps_pid" 2>/dev/null
 cp "$WORK/mini-h200/metrics.jsonl" "$OUT/dapo_metrics.jsonl" 2>/dev/null  # also after a timeout
-for r in "$WORK"/runs/math-*; do  # the math runs' metrics so far, also where a stage was ended
-  [ -f "$r/metrics.jsonl" ] && mkdir -p "$OUT/runs/${r##*/math-}" && cp "$r/metrics.jsonl" "$r/run.json" "$OUT/runs/${r##*/math-}/" 2>/dev/null
-done
-
-echo "== status =="; cat "$OUT/status"
-for f in "$OUT"/*.log; do echo "== $(basename "$f") (tail) =="; grep -v -E "^(INFO|WARNING|DEBUG)|it/s\]|s/it\]" "$f" | tail -n 25; done
-# The device tool returns only a few files per call: pack everything into one archive.
-if [ "${PACK:-1}" = 1 ]; then
-  tar czf "$WORK/results.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$WORK/results.tgz" "$OUT/results.tgz"
-else
-  touch "$OUT/.done"  # a detached campaign's end, for --wait
-fi
+copy_math_runs
+report 25
+[ "${PACK:-1}" = 1 ] || touch "$OUT/.done"  # a detached campaign's end, for --wait
