@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -70,13 +71,6 @@ def bench(mode: str, steps: int) -> dict:
             "optimizer_ms": round(upd, 1), "step_ms": round(fwd + bwd + upd, 1)}
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "CPU"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -99,9 +93,12 @@ def main(argv=None) -> int:
         print(f"{r['mode']:12s} {r['trained_tensors']:8d} {r['forward_ms']:8.1f} {r['backward_ms']:8.1f} {r['optimizer_ms']:8.1f} "
               f"{r['step_ms']:8.1f} {r['vs_bf16']:7.2f}x")
     if args.json:
+        from rollout_bench.host_probe import cpu_info
+
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        prov = {"command": "python scripts/bench_host.py --steps " + str(args.steps) + " --json docs/bench/train_host_cpu.json",
-                "date": time.strftime("%Y-%m-%d"), "device": f"CPU: {cpu_name()}, one thread, torch {torch.__version__}",
+        prov = {"command": "python scripts/bench_host.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "date": time.strftime("%Y-%m-%d"),
+                "device": f"CPU: {cpu_info().get('cpu_model') or 'unknown model'}, one thread, torch {torch.__version__}",
                 "commit": commit or None}
         args.json.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
     return 0

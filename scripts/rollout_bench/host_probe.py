@@ -74,15 +74,19 @@ def host_speed(repeats: int = 7) -> dict:
             x[1:9].view(-1)
             torch.empty(8)
         torch_us.append((time.perf_counter() - t) * 1e6 / 2000)
-    cpu = {}
+    return dict(python_probe_ms=python_probe_ms(repeats), torch_probe_us=statistics.median(torch_us), **cpu_info())
+
+
+def cpu_info() -> dict:
+    """{cpu_model, cpu_mhz_mean} from /proc/cpuinfo (None where it says nothing); {} without it."""
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as fh:
             info = fh.read()
         model = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
         mhz = [float(m) for m in re.findall(r"^cpu MHz\s*:\s*([0-9.]+)$", info, re.M)]
-        cpu = dict(cpu_model=model.group(1).strip() if model else None,
-                   cpu_mhz_mean=statistics.fmean(mhz) if mhz else None)
-    return dict(python_probe_ms=python_probe_ms(repeats), torch_probe_us=statistics.median(torch_us), **cpu)
+        return dict(cpu_model=model.group(1).strip() if model else None,
+                    cpu_mhz_mean=statistics.fmean(mhz) if mhz else None)
+    return {}
 
 
 def parse_cpus(spec: str) -> set[int]:
