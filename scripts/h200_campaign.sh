@@ -229,7 +229,9 @@ nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,nohead
 nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader -l 10 >"$OUT/gpu_apps.csv" 2>/dev/null & apps_pid=$!
 # Two math DAPO runs, engine and trainer each, need more than an H100's 80 GB: on an H100 the LoRA
 # run held 44.9 GiB when the MXFP8 run beside it ran out of memory at 34.2 GiB in its first training
-# step (2026-12-07), twice, losing that lane's call. Below SHARE_GPU_MIN_GIB the lanes share nothing.
+# step (2026-12-07), twice, losing that lane's call; a bf16 run alone held 69 GB there (engine at 12% of
+# the GPU, trainer). On an H200 bf16 + LoRA fit side by side; a third DAPO lane would not.
+# Below SHARE_GPU_MIN_GIB the lanes share nothing.
 gpu_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null || echo 0) / 1024 ))
 if [ "$NGPU" = 1 ] && [ "${SHARE_GPU:-0}" = 1 ] && [ "$gpu_gib" -lt "${SHARE_GPU_MIN_GIB:-100}" ]; then
   echo "SHARE_GPU=1 ignored: the GPU has ${gpu_gib} GiB, under SHARE_GPU_MIN_GIB=${SHARE_GPU_MIN_GIB:-100}; lanes run one after another" | tee -a "$OUT/status"
