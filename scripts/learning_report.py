@@ -58,6 +58,7 @@ def run_row(run_dir: Path, suite: str, title: str, recipes: str, prov: dict, not
         "train_tokens_per_s": _median(r.get("train_tokens_per_s") for r in steps),
         "rollout_s": _median(r.get("rollout_s") for r in steps), "train_s": _median(r.get("train_s") for r in steps),
         "sync_s": _median(r.get("sync_s") for r in steps), "step_s": _median(r.get("time_s") for r in steps),
+        "gpu_peak_reserved_gib": max((r["gpu_peak_reserved_gib"] for r in steps if "gpu_peak_reserved_gib" in r), default=None),
         "command": f"beam-rl dapo --recipe {recipes}/{name}.yaml --out RUN_DIR", **prov,
     }
     if note:

@@ -628,8 +628,12 @@ def learning_page(path: Path = LEARNING) -> Page:
             "run", *(["warm start=warm_start"] if len(warms) > 1 else []), "mode", ("R3", lambda r: "on" if r["r3"] else "off", ""), ("steps", lambda r: f"{r['steps']} of {r['planned_steps']}", ""),
             "avg@8 before=avg8_before:.3f", ("avg@8 after (step)", lambda r: f"{r['avg8_after']:.3f} ({r.get('after_step', r['steps'])})", ""), "gain, points=gain_points:+.1f", "max per-step |d|=max_mean_abs_logprob_diff:.2e",
             "bar=gap_bar", "rollout tok/s=rollout_tokens_per_s:,.0f", "train tok/s=train_tokens_per_s:,.0f",
-            "rollout s=rollout_s:.1f", "train s=train_s:.1f", "sync s=sync_s:.2f", "step s=step_s:.1f"),
-            "Per-phase figures are medians over the run's steps. Every step's metrics: " + ", ".join(
+            "rollout s=rollout_s:.1f", "train s=train_s:.1f", "sync s=sync_s:.2f", "step s=step_s:.1f",
+            *(["GPU GiB held=gpu_peak_reserved_gib:.1f"] if any(r.get("gpu_peak_reserved_gib") for r in runs) else [])),
+            "Per-phase figures are medians over the run's steps"
+            + ("; GPU GiB held: the largest step peak of what PyTorch's caching allocator held in the run's one process"
+               " (engine and trainer)" if any(r.get("gpu_peak_reserved_gib") for r in runs) else "")
+            + ". Every step's metrics: " + ", ".join(
                 f"[{r['run']}](../bench/learning_{suite}_{r['run']}.jsonl)" for r in runs) + "."
             + "".join(f"\n\n**{r['run']}**: {r['note']}" for r in runs if r.get("note"))))
         by_mode = {}  # a mode's R3 run: the one named after it (a suite may hold variants of a mode), else its first

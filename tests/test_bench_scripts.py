@@ -189,19 +189,20 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
 
     import learning_report
 
-    def run_dir(name, mode, r3, held, gaps):
+    def run_dir(name, mode, r3, held, gaps, gib=()):  # gib: each step's GPU memory peak (a CUDA run's metrics)
         d = tmp_path / "runs" / name
         d.mkdir(parents=True)
         recipe = {"run": {"total_steps": 50}, "rollout": {"eval_samples": 8}, "train": {"mode": mode, "routing_replay": r3}}
         (d / "run.json").write_text(json.dumps({"run_id": "x", "recipe": recipe}))
         rows = [{"step": 0, "heldout_avg8": held[0]}] + [
             {"step": s, "reward_mean": 0.1 * s, "mean_abs_logprob_diff": g, "rollout_tokens_per_s": 100.0, "train_tokens_per_s": 50.0,
-             "rollout_s": 2.0, "train_s": 1.0, "sync_s": 0.4, "time_s": 3.5, **({"heldout_avg8": held[1]} if s == 2 else {})}
+             "rollout_s": 2.0, "train_s": 1.0, "sync_s": 0.4, "time_s": 3.5, **({"heldout_avg8": held[1]} if s == 2 else {}),
+             **({"gpu_peak_reserved_gib": gib[s - 1]} if gib else {})}
             for s, g in ((1, gaps[0]), (2, gaps[1]))]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         return d
 
-    runs = [run_dir("bf16", "bf16", True, (0.25, 0.55), (1e-3, 2e-3)), run_dir("no-r3", "bf16", False, (0.25, 0.4), (5e-3, 6e-3)),
+    runs = [run_dir("bf16", "bf16", True, (0.25, 0.55), (1e-3, 2e-3), gib=(60.5, 68.9)), run_dir("no-r3", "bf16", False, (0.25, 0.4), (5e-3, 6e-3)),
             run_dir("bf16-lr", "bf16", True, (0.25, 0.3), (1e-3, 1e-3)),  # a variant of bf16: the bars judge the run named bf16
             run_dir("lora", "lora", True, (0.25, 0.3), (1e-3, 1e-3))]  # stopped at step 2 of 50: its gain bar is not settled
     docs = tmp_path / "docs"
@@ -220,6 +221,7 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     assert bf16["after_step"] == 2 and bf16["note"] == "why it stopped" and "note" not in off
     assert bf16["gain_points"] == 30.0 and bf16["max_mean_abs_logprob_diff"] == 2e-3 and bf16["gap_bar"] == 0.005
     assert off["r3"] is False and off["gap_bar"] is None
+    assert bf16["gpu_peak_reserved_gib"] == 68.9 and off["gpu_peak_reserved_gib"] is None  # the run's largest step peak
     assert bf16["command"] == "beam-rl dapo --recipe recipes/math/bf16.yaml --out RUN_DIR" and bf16["device"] == "CPU"
     assert data["warm_starts"][0]["suite"] == "math-test" and data["warm_starts"][0]["steps"] == 100
     # a reused warm start keeps when and where it ran
@@ -233,6 +235,7 @@ def test_learning_report_writes_a_row_per_run_and_keeps_other_suites(tmp_path):
     assert "| bf16: per-step gap <= 0.005 at every step | max 2.00e-03 | met |" in body
     assert "| bf16: held-out avg@8 up >= 25 points in <= 50 steps | +30.0 at step 2 | met |" in body
     assert "| bf16 | bf16 | on | 2 of 50 | 0.250 | 0.550 (2) |" in body and "**bf16**: why it stopped" in body
+    assert "| step s | GPU GiB held |" in body and "| 3.5 | 68.9 |" in body  # a column only where a run measured it
     assert "| without R3 the gap is larger | max 6.00e-03 vs 2.00e-03 with R3 | met |" in body
     assert "| lora: held-out avg@8 up >= 25 points in <= 50 steps | +5.0 at step 2 | open: stopped after step 2 of 50 |" in body
     assert "| the modes end within 5 points of each other | 25.0 points apart | **missed** |" in body

@@ -24,7 +24,7 @@ from beam_rl.dapo.advantages import compute_advantages
 from beam_rl.dapo.config import Recipe, RecipeError, recipe_to_dict
 from beam_rl.dapo.data import DataOrder, eval_seed, sampling_seed
 from beam_rl.dapo.loss import LossSettings, policy_loss
-from beam_rl.dapo.metrics import MetricsWriter, torch_compile_seconds
+from beam_rl.dapo.metrics import MetricsWriter, cuda_memory_peaks, torch_compile_seconds
 from beam_rl.dapo.overlong import overlong_keep, soft_overlong_penalty
 from beam_rl.dapo.sampling import DynamicSampler
 from beam_rl.dapo.warmstart import initial_policy
@@ -338,6 +338,7 @@ class Job:
             self.log(f"step 0 (warm start): held-out avg@{k} = {acc0:.3f}")
         bar = tqdm(range(self.start_step + 1, r.run.total_steps + 1), desc="dapo", disable=not self.progress, dynamic_ncols=True)
         slowest = 0.0
+        cuda_memory_peaks()  # each step's peaks are its own (the engine's start and evaluation before it are not)
         for step in bar:
             t0 = time.perf_counter()
             sampler, stats = self.rollout(step)
@@ -361,6 +362,7 @@ class Job:
             if step % r.run.eval_every == 0 or step == r.run.total_steps:
                 m[f"heldout_avg{k}"] = self.evaluate()
             m["time_s"] = time.perf_counter() - t0
+            m.update(cuda_memory_peaks())
             self.metrics.write(m)
             history.append(m)
             bar.set_postfix(reward=f"{m['reward_mean']:.2f}", gap=f"{m.get('mean_abs_logprob_diff', float('nan')):.4f}")

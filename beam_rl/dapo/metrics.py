@@ -69,6 +69,22 @@ def torch_compile_seconds() -> float:
     return float(sum(sum(compilation_time_metrics.get(k, ())) for k in _COMPILE_TIMERS))
 
 
+def cuda_memory_peaks() -> dict:
+    """This process's GPU memory peaks since the last call (which resets them), GiB:
+    `gpu_peak_allocated_gib`, the most its tensors held (the in-process engine's KV cache and weights
+    included), and `gpu_peak_reserved_gib`, the most PyTorch's caching allocator held from the GPU
+    (the difference: cached free blocks). vLLM's CUDA-graph pools are not in either. Empty when this
+    process has not used CUDA. What decides how many runs share a GPU."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    peaks = {"gpu_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+             "gpu_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2)}
+    torch.cuda.reset_peak_memory_stats()
+    return peaks
+
+
 def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if path.is_dir():
