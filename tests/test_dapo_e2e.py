@@ -64,6 +64,8 @@ def test_two_steps_then_resume_equals_uninterrupted(engine, tmp_path):
                     "max_abs_logprob_diff", "rollout_tokens_per_s", "train_tokens_per_s", "sync_s", "compile_s"):
             assert key in m, key
         assert m["mean_abs_logprob_diff"] < 0.01, m  # R3 on: trainer == rollout log-probs
+        # the rollout phase's parts: the engine's calls and the grading, within the phase's time
+        assert 0 < m["rollout_generate_s"] and 0 < m["rollout_grade_s"] and m["rollout_generate_s"] + m["rollout_grade_s"] <= m["rollout_s"]
     assert "heldout_avg2" in full[0] and "heldout_avg2" in full[2]
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert len((tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) == 3

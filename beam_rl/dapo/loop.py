@@ -227,13 +227,19 @@ class Job:
         ol = d.overlong
         G = ro.group_size
         sampler = DynamicSampler(ro.prompts_per_step, d.max_extra_rounds, d.oversample_factor, d.dynamic_sampling)
-        stats = {"generated_tokens": 0, "correct": [], "lengths": []}
+        # generate_s: the engine's calls (scheduling, steps, outputs, routing); grade_s: the task's grading;
+        # the rest of rollout_s is this loop's bookkeeping
+        stats = {"generated_tokens": 0, "correct": [], "lengths": [], "generate_s": 0.0, "grade_s": 0.0}
         while (n := sampler.need()) > 0:
             idx = self.data.take(n)
             problems = [self.task.train[i] for i in idx]
             seeds = [sampling_seed(self.r.run.seed, step, sampler.rounds, i) for i in range(n * G)]
+            t0 = time.perf_counter()
             samples = generate_groups(self.engine, self.task, self.tok, self.r, problems, seeds, G, self.adapter).samples
+            t1 = time.perf_counter()
             graded = self.task.rewards([p for p in problems for _ in range(G)], [o.output_ids.tolist() for o in samples], self.tok)
+            stats["generate_s"] += t1 - t0
+            stats["grade_s"] += time.perf_counter() - t1
             groups, rewards = [], []
             for g, (i, p) in enumerate(zip(idx, problems)):
                 outs = list(samples[g * G : (g + 1) * G])
@@ -346,7 +352,8 @@ class Job:
             m = {"step": step, "reward_mean": float(np.mean([x for g in sampler.kept for x in g.rewards])) if sampler.kept else 0.0,
                  "accuracy": float(np.mean(stats["correct"])), "response_length": float(np.mean(stats["lengths"])),
                  "kept_group_fraction": sampler.kept_fraction, "generation_rounds": sampler.rounds,
-                 "rollout_tokens_per_s": stats["generated_tokens"] / t_roll, "rollout_s": t_roll}
+                 "rollout_tokens_per_s": stats["generated_tokens"] / t_roll, "rollout_s": t_roll,
+                 "rollout_generate_s": stats["generate_s"], "rollout_grade_s": stats["grade_s"]}
             if sampler.kept:
                 self._sleep(True)
                 t1, c1 = time.perf_counter(), torch_compile_seconds()
