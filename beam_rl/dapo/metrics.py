@@ -73,8 +73,9 @@ def cuda_memory_peaks() -> dict:
     """This process's GPU memory peaks since the last call (which resets them), GiB:
     `gpu_peak_allocated_gib`, the most its tensors held (the in-process engine's KV cache and weights
     included), and `gpu_peak_reserved_gib`, the most PyTorch's caching allocator held from the GPU
-    (the difference: cached free blocks). vLLM's CUDA-graph pools are not in either. Empty when this
-    process has not used CUDA. What decides how many runs share a GPU."""
+    (the difference: cached free blocks). The CUDA context and what is allocated outside PyTorch's
+    allocator (NCCL buffers, vLLM's sleep-mode pool) are in neither: nvidia-smi reads more. Empty when
+    this process has not used CUDA. What decides how many runs share a GPU."""
     import torch
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
