@@ -257,12 +257,16 @@ def test_metrics_resume_truncation_and_plot(tmp_path):
     from beam_rl.dapo.plot import plot_run
 
     w = MetricsWriter(tmp_path, tensorboard=False)
+    phases = {"rollout_s": 2.0, "rollout_generate_s": 1.5, "rollout_grade_s": 0.1, "gpu_peak_allocated_gib": 40.0, "gpu_peak_reserved_gib": 50.0}
     for step in range(4):
-        w.write({"step": step, "reward_mean": step / 4, "mean_abs_logprob_diff": 1e-4, **({"heldout_avg8": 0.1} if step % 2 == 0 else {})})
+        w.write({"step": step, "reward_mean": step / 4, "mean_abs_logprob_diff": 1e-4, **({"heldout_avg8": 0.1} if step % 2 == 0 else {}),
+                 **(phases if step else {})})
     MetricsWriter(tmp_path, resume_step=1, tensorboard=False)  # a resume from step 1 drops steps 2, 3
     assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1]
     names = {p.name for p in plot_run(tmp_path)}
-    assert {"reward_mean.png", "heldout_avg8.png", "mean_abs_logprob_diff.png"} <= names
+    # a panel per group present: the rollout phase's parts, a CUDA run's memory peaks
+    assert {"reward_mean.png", "heldout_avg8.png", "mean_abs_logprob_diff.png", "rollout_s.png", "gpu_peak_allocated_gib.png"} <= names
+    assert "sync_s.png" not in names
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_run(tmp_path / "nothing")
 

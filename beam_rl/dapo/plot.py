@@ -16,6 +16,7 @@ PANELS = (
     ("reward_mean", "accuracy"), ("heldout_avg8",), ("mean_abs_logprob_diff", "max_abs_logprob_diff"),
     ("response_length",), ("clip_frac_low", "clip_frac_high"), ("kept_group_fraction",),
     ("rollout_tokens_per_s", "train_tokens_per_s"), ("sync_s",), ("train_s", "compile_s"),
+    ("rollout_s", "rollout_generate_s", "rollout_grade_s"), ("gpu_peak_allocated_gib", "gpu_peak_reserved_gib"),
 )
 # the panels comparing runs: (metric, y-axis label, log scale)
 COMPARED = (("heldout_avg8", "held-out avg@8", False), ("reward_mean", "reward mean (kept groups)", False),
