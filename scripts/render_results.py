@@ -618,6 +618,7 @@ def learning_page(path: Path = LEARNING) -> Page:
         recs += runs
         parts.append(f"## {suite}: {runs[0]['title']}\n")
         warms = [w for w in data.get("warm_starts", []) if w["suite"] == suite]
+        measured_memory = any(r.get("gpu_peak_reserved_gib") for r in runs)  # CUDA runs log it (dapo.metrics.cuda_memory_peaks)
         for warm in warms:  # several where the suite's runs took several machines (learning_report.py --add)
             curve = ", ".join(f"{e['heldout_avg']:.3f} (step {e['step']})" for e in warm["evaluations"])
             title = f"{suite}: the warm start" + (f" of {warm['date']}, {warm['commit']}" if len(warms) > 1 else "")
@@ -629,10 +630,10 @@ def learning_page(path: Path = LEARNING) -> Page:
             "avg@8 before=avg8_before:.3f", ("avg@8 after (step)", lambda r: f"{r['avg8_after']:.3f} ({r.get('after_step', r['steps'])})", ""), "gain, points=gain_points:+.1f", "max per-step |d|=max_mean_abs_logprob_diff:.2e",
             "bar=gap_bar", "rollout tok/s=rollout_tokens_per_s:,.0f", "train tok/s=train_tokens_per_s:,.0f",
             "rollout s=rollout_s:.1f", "train s=train_s:.1f", "sync s=sync_s:.2f", "step s=step_s:.1f",
-            *(["GPU GiB held=gpu_peak_reserved_gib:.1f"] if any(r.get("gpu_peak_reserved_gib") for r in runs) else [])),
+            *(["GPU GiB held=gpu_peak_reserved_gib:.1f"] if measured_memory else [])),
             "Per-phase figures are medians over the run's steps"
             + ("; GPU GiB held: the largest step peak of what PyTorch's caching allocator held in the run's one process"
-               " (engine and trainer)" if any(r.get("gpu_peak_reserved_gib") for r in runs) else "")
+               " (engine and trainer)" if measured_memory else "")
             + ". Every step's metrics: " + ", ".join(
                 f"[{r['run']}](../bench/learning_{suite}_{r['run']}.jsonl)" for r in runs) + "."
             + "".join(f"\n\n**{r['run']}**: {r['note']}" for r in runs if r.get("note"))))
