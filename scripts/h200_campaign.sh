@@ -230,7 +230,9 @@ nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv,noheader 
 # Two math DAPO runs, engine and trainer each, need more than an H100's 80 GB: on an H100 the LoRA
 # run held 44.9 GiB when the MXFP8 run beside it ran out of memory at 34.2 GiB in its first training
 # step (2026-12-07), twice, losing that lane's call; a bf16 run alone held 69 GB there (engine at 12% of
-# the GPU, trainer). On an H200 bf16 + LoRA fit side by side; a third DAPO lane would not.
+# the GPU, trainer). On an H200 bf16 + LoRA fit side by side; a third DAPO lane would not. PyTorch's
+# cache is not what fills it: a LoRA run alone on an H100 peaked at 36.9 GiB allocated and 43.4 GiB
+# reserved (its steps' gpu_peak_* metrics), 44.4 GiB in nvidia-smi.
 # Below SHARE_GPU_MIN_GIB the lanes share nothing.
 gpu_gib=$(( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null || echo 0) / 1024 ))
 if [ "$NGPU" = 1 ] && [ "${SHARE_GPU:-0}" = 1 ] && [ "$gpu_gib" -lt "${SHARE_GPU_MIN_GIB:-100}" ]; then
