@@ -67,6 +67,7 @@ class RequestRouting:
         self._slots: list[tuple[torch.Tensor, torch.Tensor, list[_Step | None]]] = []
         self._next = 0
         self._batch: tuple[list[str], np.ndarray] | None = None  # the last step's request ids and their indices
+        self.steps_filed = 0  # model steps that scheduled tokens, since the capture started
 
     def file_step(self, req_ids: list[str], num_scheduled, positions: torch.Tensor) -> None:
         """File this step: the model's first sum(num_scheduled) recorded rows, the rows of req_ids[i]
@@ -77,6 +78,7 @@ class RequestRouting:
         total = int(counts.sum())
         if total == 0:
             return
+        self.steps_filed += 1
         if self._batch is None or self._batch[0] != req_ids:
             self._batch = (list(req_ids), np.array([self._index(r) for r in req_ids], dtype=np.int32))
         rows_of = np.repeat(self._batch[1], counts)

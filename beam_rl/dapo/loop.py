@@ -95,13 +95,21 @@ def _engine_dir(root: Path, tensors: dict, config) -> tuple[Path, dict[str, str]
     return path, checksums_of(tensors.items())
 
 
-def generate_groups(engine: RolloutEngine, task, tok: Tokenizer, recipe: Recipe, problems: list, seeds: list[int],
-                    group: int, adapter=None) -> RolloutBatch:
-    """`group` samples of every problem's prompt (one seed each), at the recipe's rollout settings."""
+def group_requests(task, tok: Tokenizer, recipe: Recipe, problems: list, seeds: list[int | None],
+                   group: int) -> tuple[list[list[int]], list[Sampling]]:
+    """(prompt ids, sampling) of `group` samples of every problem's prompt (one seed each), at the
+    recipe's rollout settings."""
     ro = recipe.rollout
     prompts = [task.prompt_ids(p, tok) for p in problems for _ in range(group)]
     sampling = [Sampling(max_tokens=ro.max_response_tokens, temperature=ro.temperature, seed=s,
                          stop_token_ids=(tok.eos_id,)) for s in seeds]
+    return prompts, sampling
+
+
+def generate_groups(engine: RolloutEngine, task, tok: Tokenizer, recipe: Recipe, problems: list, seeds: list[int],
+                    group: int, adapter=None) -> RolloutBatch:
+    """`group` samples of every problem's prompt (one seed each), at the recipe's rollout settings."""
+    prompts, sampling = group_requests(task, tok, recipe, problems, seeds, group)
     return engine.generate(prompts, sampling, adapter=adapter)
 
 

@@ -58,22 +58,38 @@ class VLLMEngine(RolloutEngine):
     def generate(self, prompts, sampling, *, adapter: Adapter | None = None, progress: bool = False) -> RolloutBatch:
         from beam_rl.rollout.routing import fetch_captured_routing
 
+        outputs = self.request_outputs(prompts, sampling, adapter=adapter, progress=progress)
+        return RolloutBatch.from_vllm(outputs, fetch_captured_routing(self.llm, outputs), self.config)
+
+    def request_outputs(self, prompts, sampling, *, adapter: Adapter | None = None, progress: bool = False) -> list:
+        """vLLM's `RequestOutput`s of `generate`'s requests (token-id prompts, the sampled tokens'
+        log-probs), their routing still held by the worker: `generate` fetches it, `drop_routing`
+        discards it. `generate` without its R3 half, for timing the two apart."""
         if not self.settings.capture_routing:
             raise RuntimeError("generate() returns routed experts; start the engine with EngineSettings.capture_routing=True")
-        params = [_params(s, logprobs=0) for s in _per_prompt(sampling, len(prompts))]
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                    lora_request=_lora_request(adapter), use_tqdm=progress)
-        return RolloutBatch.from_vllm(outputs, fetch_captured_routing(self.llm, outputs), self.config)
+        params = [sampling_params(s, logprobs=0) for s in _per_prompt(sampling, len(prompts))]
+        return self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                 lora_request=_lora_request(adapter), use_tqdm=progress)
+
+    def drop_routing(self, outputs) -> None:
+        """Discard the captured routing of these requests (the worker keeps a request's rows until
+        they are fetched): what nobody will read."""
+        if self.settings.capture_routing:
+            self.llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outputs],))
 
     def complete(self, prompts, sampling, n: int = 1, *, progress: bool = False) -> list[list[Completion]]:
         has_text = self.settings.tokenizer is not None
-        params = [_params(s, n=n, detokenize=has_text) for s in _per_prompt(sampling, len(prompts))]
+        params = [sampling_params(s, n=n, detokenize=has_text) for s in _per_prompt(sampling, len(prompts))]
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(inputs, params, use_tqdm=progress)
-        if self.settings.capture_routing:  # the worker recorded these requests too: drop what nobody will read
-            self.llm.collective_rpc("beam_pop_routed_experts", args=([o.request_id for o in outputs],))
+        self.drop_routing(outputs)  # the worker recorded these requests too
         return [[Completion(tuple(o.token_ids), o.text if has_text else None, o.finish_reason)
                  for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
+
+    def model_steps(self) -> int:
+        """Model steps the engine has run since routing capture started (each step that scheduled
+        tokens; `beam_rl.rollout.capture.RequestRouting.steps_filed`)."""
+        return int(self.llm.collective_rpc("beam_routing_steps_filed")[0])
 
     # -- weights ----------------------------------------------------------------------------------
     def update_weights(self, path, checksums: dict[str, str]) -> None:
@@ -134,7 +150,8 @@ def _per_prompt(sampling: Sampling | list[Sampling], n: int) -> list[Sampling]:
     return list(sampling)
 
 
-def _params(s: Sampling, **extra):
+def sampling_params(s: Sampling, **extra):
+    """vLLM's `SamplingParams` of `s` (no detokenization unless `extra` asks), `extra` passed on."""
     from vllm import SamplingParams
 
     kwargs = dict(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens, seed=s.seed,
