@@ -47,10 +47,11 @@ def first_round(recipe, prompts: int | None):
     return task, tok, problems, seeds
 
 
-def run_variant(variant: str, engine, recipe, task, tok, problems, seeds) -> dict:
-    """One call of `variant`: wall s, sequences, generated tokens, model steps."""
+def run_variant(variant: str, engine, recipe, round_) -> dict:
+    """One call of `variant` on `round_` (`first_round`'s): wall s, sequences, generated tokens, model steps."""
     from beam_rl.dapo.loop import generate_groups, group_requests
 
+    task, tok, problems, seeds = round_
     group = recipe.rollout.group_size
     steps0 = engine.model_steps()
     if variant == "loop":
@@ -70,16 +71,16 @@ def run_variant(variant: str, engine, recipe, task, tok, problems, seeds) -> dic
     return {"wall_s": wall, "sequences": len(lengths), "generated_tokens": sum(lengths), "steps": engine.model_steps() - steps0}
 
 
-def measure(engine, recipe, *, prompts: int | None = None, repeats: int = 3, variants=VARIANTS) -> list[dict]:
-    """One row per variant (medians over `repeats` interleaved calls), after one untimed loop call."""
-    if "loop" not in variants:
-        raise ValueError("variants must include 'loop', the baseline of the ratios")
-    task, tok, problems, seeds = first_round(recipe, prompts)
-    run_variant("loop", engine, recipe, task, tok, problems, seeds)  # warm-up: first-call work in the engine and the task
+def measure(engine, recipe, round_, *, repeats: int = 3, variants=VARIANTS) -> list[dict]:
+    """One row per variant on `round_` (`first_round`'s; medians over `repeats` interleaved calls),
+    after one untimed loop call. `variants` start with 'loop', the baseline of the ratios."""
+    if not variants or variants[0] != "loop":
+        raise ValueError(f"variants {tuple(variants)}: 'loop' must come first, the baseline of the ratios")
+    run_variant("loop", engine, recipe, round_)  # warm-up: first-call work in the engine and the task
     calls = {v: [] for v in variants}
     for _ in range(repeats):
         for v in variants:
-            calls[v].append(run_variant(v, engine, recipe, task, tok, problems, seeds))
+            calls[v].append(run_variant(v, engine, recipe, round_))
     rows = []
     for v in variants:
         med = {k: statistics.median(c[k] for c in calls[v]) for k in calls[v][0]}
@@ -93,13 +94,12 @@ def measure(engine, recipe, *, prompts: int | None = None, repeats: int = 3, var
     return rows
 
 
-def profile_loop(engine, recipe, steps: int, prompts: int | None = None) -> dict:
+def profile_loop(engine, recipe, round_, steps: int) -> dict:
     """One loop call under cProfile: own host time per model step (`steps`: the loop call's, from
     `measure`; seeded, so every call runs the same steps) by source area, and the top functions."""
     from rollout_bench.harness import host_profile
 
-    task, tok, problems, seeds = first_round(recipe, prompts)
-    return host_profile(lambda: run_variant("loop", engine, recipe, task, tok, problems, seeds), steps=max(steps, 1), top=25)
+    return host_profile(lambda: run_variant("loop", engine, recipe, round_), steps=max(steps, 1), top=25)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -137,8 +137,9 @@ def main(argv=None) -> int:
     settings = dataclasses.replace(Job.engine_settings(recipe, Path(args.checkpoint)), tokenizer=str(TOKENIZER_DIR))
     engine = start_rollout_engine(settings)
     try:
-        rows = measure(engine, recipe, prompts=args.prompts, repeats=args.repeats, variants=variants)
-        profile = profile_loop(engine, recipe, rows[0]["steps"], args.prompts) if args.profile else None
+        round_ = first_round(recipe, args.prompts)
+        rows = measure(engine, recipe, round_, repeats=args.repeats, variants=variants)
+        profile = profile_loop(engine, recipe, round_, rows[0]["steps"]) if args.profile else None
     finally:
         engine.shutdown()
     print_table(rows)

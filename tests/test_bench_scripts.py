@@ -297,7 +297,8 @@ def test_dapo_rollout_bench_takes_the_loop_call_apart(tiny_engine):
     recipe = load_recipe("recipes/tiny-cpu.yaml")
     held = lambda: tiny_engine.llm.collective_rpc(lambda worker: len(worker._beam_routing.known()))[0]  # noqa: E731
     before = held()
-    rows = bench_dapo_rollout.measure(tiny_engine, recipe, prompts=2, repeats=1)
+    round_ = bench_dapo_rollout.first_round(recipe, 2)
+    rows = bench_dapo_rollout.measure(tiny_engine, recipe, round_, repeats=1)
     assert [r["variant"] for r in rows] == list(bench_dapo_rollout.VARIANTS) and rows[0]["vs_loop"] == 1.0
     loop, vllm_alone, unseeded = rows
     assert all(r["sequences"] == 2 * recipe.rollout.group_size for r in rows)
@@ -305,6 +306,6 @@ def test_dapo_rollout_bench_takes_the_loop_call_apart(tiny_engine):
     assert all(r["steps"] > 0 and r["ms_per_step"] == pytest.approx(r["wall_s"] / r["steps"] * 1e3, abs=1.0) for r in rows)  # wall_s is rounded to ms
     assert unseeded["generated_tokens"] > 0 and held() == before
     with pytest.raises(ValueError, match="'loop'"):
-        bench_dapo_rollout.measure(tiny_engine, recipe, prompts=2, variants=("vllm",))
+        bench_dapo_rollout.measure(tiny_engine, recipe, round_, variants=("vllm", "loop"))
     with pytest.raises(SystemExit, match="'loop' first"):
         bench_dapo_rollout.main(["--recipe", "recipes/tiny-cpu.yaml", "--checkpoint", ".", "--variants", "vllm,loop"])
