@@ -12,6 +12,8 @@ Start the engine with `worker_extension_cls="beam_rl.rollout.worker.BeamWorkerEx
   vLLM's weight-transfer API (NCCL, `beam_gloo`), plus which parameters nothing reached;
   `beam_parameter_checksums` fingerprints the loaded model itself (reload == fresh load);
   `beam_expert_layout` says which experts this rank holds (CPU experts, expert parallelism).
+- Sampling: `beam_counter_seeded_sampling` puts `beam_rl.rollout.sampling`'s counter-seeded
+  `random_sample` (one launch for every seeded row of a step) in place of vLLM's, or takes it out.
 - `beam_attention_isas`: which kernels vLLM's CPU attention uses in this worker (they decide how P
   is rounded); `beam_cpu_bf16_rounding`: how this worker's vLLM CPU kernel library converts FP32 to
   BF16 (it decides how the attention output is rounded). `engine_attention_numerics(llm)` asks
@@ -126,6 +128,15 @@ class BeamWorkerExtension:
 
         runner.execute_model = execute_model
         return True
+
+    # -- sampling ---------------------------------------------------------------------------------
+    def beam_counter_seeded_sampling(self, on: bool) -> bool:
+        """Install (on) or remove `beam_rl.rollout.sampling`'s counter-seeded `random_sample` in this
+        worker's process; True while installed."""
+        from beam_rl.rollout import sampling
+
+        sampling.install() if on else sampling.uninstall()
+        return sampling.installed()
 
     # -- adaptive verification of DFlash2 drafts ---------------------------------------------------
     def beam_start_adaptive_verification(self, step_costs: tuple[float, float, float] | None = None) -> bool:

