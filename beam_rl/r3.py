@@ -205,6 +205,45 @@ def length_sorted_micro_batches(lengths: Sequence[int], size: int) -> list[list[
     return [order[s : s + size] for s in range(0, len(order), size)]
 
 
+def prompt_grouped_micro_batches(prompts: Sequence[bytes], prompt_lengths: Sequence[int], response_lengths: Sequence[int],
+                                 size: int) -> list[list[int]]:
+    """Indices in micro-batches of at most `size` that keep the requests of one prompt together (a
+    group larger than `size` is cut into pieces of `size`), groups in order of their packed width (the
+    prompt once plus every response), shortest first: packed, each group is one row, and a micro-batch
+    pads to its widest."""
+    if size < 1:
+        raise R3Error(f"micro-batch size must be >= 1, got {size}")
+    groups: dict[bytes, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(p, []).append(i)
+    pieces = [g[s:s + size] for g in groups.values() for s in range(0, len(g), size)]
+    pieces.sort(key=lambda g: (int(prompt_lengths[g[0]]) + sum(int(response_lengths[i]) for i in g), g[0]))
+    out: list[list[int]] = []
+    for piece in pieces:
+        if out and len(out[-1]) + len(piece) <= size:
+            out[-1].extend(piece)
+        else:
+            out.append(list(piece))
+    return out
+
+
+def prompt_routing_disagreement(samples: Sequence["RolloutSample"]) -> float:
+    """Of the prompt tokens of every request after the first of its prompt, the fraction whose routing
+    (any MoE layer) differs from the first request's routing of the same token: what a trainer that
+    computes a shared prompt once and replays its first request's routing leaves unreplayed. Each
+    request prefilled its prompt itself, and BF16 kernels that round by batch shape can flip a near-tie."""
+    first: dict[bytes, np.ndarray] = {}
+    differ = total = 0
+    for s in samples:
+        P = len(s.prompt_ids)
+        rows = s.routed_experts[:P]
+        ref = first.setdefault(s.prompt_ids.tobytes(), rows)
+        if ref is not rows:
+            differ += int((ref != rows).reshape(P, -1).any(axis=1).sum())
+            total += P
+    return differ / total if total else 0.0
+
+
 @dataclass(frozen=True)
 class TrainerBatch:
     """One right-padded micro-batch in the trainer's token order (see the module docstring)."""
@@ -286,9 +325,18 @@ class RolloutBatch:
         routed_rows = torch.arange(T)[None] < (lengths - 1)[:, None]
         return TrainerBatch(indices, input_ids, lengths, prompt_lengths, rollout_lp, mask, routed, routed_rows)
 
-    def micro_batches(self, size: int, rows: Sequence[int] | None = None, *, pad_to_multiple: int = 1):
+    def micro_batches(self, size: int, rows: Sequence[int] | None = None, *, pad_to_multiple: int = 1,
+                      keep_prompt_groups: bool = False):
         """`to_trainer` micro-batches of at most `size` of the requests `rows` (all by default),
-        shortest first (`length_sorted_micro_batches`: each pads to its own longest request)."""
+        shortest first (`length_sorted_micro_batches`: each pads to its own longest request);
+        `keep_prompt_groups`: requests with one prompt in one micro-batch where they fit
+        (`prompt_grouped_micro_batches`), for a trainer that computes a shared prompt once."""
         rows = list(range(len(self.samples))) if rows is None else list(rows)
-        for part in length_sorted_micro_batches([self.samples[i].num_tokens for i in rows], size):
+        if keep_prompt_groups:
+            parts = prompt_grouped_micro_batches([self.samples[i].prompt_ids.tobytes() for i in rows],
+                                                 [len(self.samples[i].prompt_ids) for i in rows],
+                                                 [len(self.samples[i].output_ids) for i in rows], size)
+        else:
+            parts = length_sorted_micro_batches([self.samples[i].num_tokens for i in rows], size)
+        for part in parts:
             yield self.to_trainer([rows[i] for i in part], pad_to_multiple=pad_to_multiple)

@@ -224,6 +224,11 @@ class TrainConfig:
     on CUDA), 'flash' (FlashAttention's algorithm, FlexAttention kernels on CUDA: several times
     faster on long sequences) or 'auto' (flash on CUDA, engine elsewhere:
     `beam_rl.megatron.attention.trainer_attention_dtype`; `beam-rl gap --trainer-attention` measures each)."""
+    share_prompts: bool = True
+    """The rows of a micro-batch with one prompt (a DAPO group's samples) compute it once, packed into
+    one row whose responses attend to it and to themselves only, and the LM head runs only where a
+    log-prob is read (`beam_rl.megatron.packing`; micro-batches keep a group together). False: every
+    row computes its own prompt, the LM head every position."""
     routing_replay: bool = True
     """R3: the trainer's routers replay the experts the rollout chose; false lets the trainer route
     for itself (the no-R3 contrast run: a larger trainer-rollout gap)."""

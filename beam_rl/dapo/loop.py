@@ -32,7 +32,7 @@ from beam_rl.engines import TRAIN_MODES, EngineSettings, RolloutEngine, Sampling
 from beam_rl.engines.base import check_engine_serves, checksums_of
 from beam_rl.model.checkpoint import SINGLE_NAME, atomic_directory, read_tensors
 from beam_rl.model.presets import get_preset
-from beam_rl.r3 import RolloutBatch, RolloutSample
+from beam_rl.r3 import RolloutBatch, RolloutSample, prompt_routing_disagreement
 from beam_rl.tasks.arithmetic import TOKENIZER_DIR, TOKENIZER_FILES, Tokenizer
 
 
@@ -205,7 +205,7 @@ class Job:
         if ckpt is not None:
             hf = dict(read_tensors(ckpt / "hf", self.config))
             self.policy = build_trainer(self.config, hf, mode=r.train.mode, recompute=r.train.recompute,
-                                        attention=r.train.attention)
+                                        attention=r.train.attention, share_prompts=r.train.share_prompts)
         else:
             self.policy, _ = initial_policy(r, self.config, self.task, self.tok, log=self.log)
         if self.lora:
@@ -282,7 +282,7 @@ class Job:
             for mini in minis:
                 rows = [gi * G + j for gi in mini for j in range(G)]
                 mbs, olds, advs, masks = [], [], [], []
-                for mb in batch.micro_batches(mb_size, rows):
+                for mb in batch.micro_batches(mb_size, rows, keep_prompt_groups=r.train.share_prompts):
                     old = self.policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
                     dev = old.device
                     gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])
@@ -292,6 +292,8 @@ class Job:
                 plans.append((mbs, olds, advs, masks))
         gap = torch.cat(gaps).float().cpu()
         out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
+        if r.train.share_prompts and r.train.routing_replay:
+            out["prompt_routing_disagreement"] = prompt_routing_disagreement(batch.samples)
         sums: dict[str, float] = {}
         for mbs, olds, advs, masks in plans:
             m = self.policy.step(mbs, dapo_loss_fn(mbs, olds, advs, masks, settings, d.loss), temperature=r.rollout.temperature,

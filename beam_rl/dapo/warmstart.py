@@ -99,7 +99,8 @@ def initial_policy(recipe, config, task, tokenizer, log=print, evaluate=None, st
     m = recipe.model
     base = load_checkpoint(m.checkpoint) if m.checkpoint else build_model(config, seed=m.init_seed)
     policy = build_trainer(config, base.state_dict(), mode=recipe.train.mode, recompute=recipe.train.recompute,
-                           attention=recipe.train.attention)
+                           attention=recipe.train.attention,
+                           share_prompts=recipe.train.share_prompts)
     del base
     progress = WarmStartProgress(finished=True)
     if recipe.warm_start.steps:
@@ -236,7 +237,8 @@ def _resumed_policy(recipe, config, ckpt, state, log):
     from beam_rl.model.checkpoint import read_tensors
 
     policy = build_trainer(config, dict(read_tensors(ckpt / "hf", config)), mode=recipe.train.mode, recompute=recipe.train.recompute,
-                           attention=recipe.train.attention)
+                           attention=recipe.train.attention,
+                           share_prompts=recipe.train.share_prompts)
     policy.make_optimizer(lr=recipe.warm_start.lr)
     policy.load_optimizer_state(state["optimizer"])
     checkpointing.set_rng_state(state["rng"])

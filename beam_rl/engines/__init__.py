@@ -33,12 +33,14 @@ def start_vllm(settings: EngineSettings):
 
 
 def build_trainer(config, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234,
-                  attention: str = "auto") -> TrainerBackend:
+                  attention: str = "auto", share_prompts: bool = True) -> TrainerBackend:
     """The Megatron-Core Beam model of `config` with `hf_tensors` loaded, in training mode `mode`
-    (`TRAIN_MODES`), in this process (TP1); `attention` one of `TRAINER_ATTENTIONS`."""
+    (`TRAIN_MODES`), in this process (TP1); `attention` one of `TRAINER_ATTENTIONS`; `share_prompts`:
+    rows of a micro-batch with one prompt compute it once (`beam_rl.megatron.packing`)."""
     from beam_rl.engines.megatron import MegatronTrainer
 
-    return MegatronTrainer(config, hf_tensors, mode=mode, recompute=recompute, seed=seed, attention=attention)
+    return MegatronTrainer(config, hf_tensors, mode=mode, recompute=recompute, seed=seed, attention=attention,
+                           share_prompts=share_prompts)
 
 
 __all__ = ["TRAIN_MODES", "TRAINER_ATTENTIONS", "Adapter", "Completion", "EngineSettings", "RolloutEngine", "Sampling", "TrainMode", "TrainerBackend",

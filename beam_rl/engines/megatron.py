@@ -17,7 +17,8 @@ import torch
 from beam_rl.engines.base import TRAIN_MODES, TrainerBackend, TrainLoss
 from beam_rl.errors import InputError
 from beam_rl.megatron import replay as r3
-from beam_rl.megatron.logprobs import sequence_logprobs
+from beam_rl.megatron.logprobs import packed_sequence_logprobs, sequence_logprobs
+from beam_rl.megatron.packing import pack_shared_prompts
 from beam_rl.model.config import BeamConfig
 from beam_rl.model.numerics import AttentionNumerics
 from beam_rl.r3 import TrainerBatch, length_sorted_micro_batches
@@ -82,7 +83,7 @@ class MegatronTrainer(TrainerBackend):
     """The Megatron Beam model being trained, with R3 log-probs and the optimizer update."""
 
     def __init__(self, config: BeamConfig, hf_tensors: dict, *, mode: str = "bf16", recompute: bool = False, seed: int = 1234,
-                 attention: str = "auto"):
+                 attention: str = "auto", share_prompts: bool = True):
         from beam_rl.megatron.attention import trainer_attention_dtype
         from beam_rl.megatron.cpu import init_single_process
         from beam_rl.megatron.provider import BeamModelProvider
@@ -91,6 +92,9 @@ class MegatronTrainer(TrainerBackend):
             raise ValueError(f"train.mode={mode!r}; choose from {sorted(TRAIN_MODES)}")
         init_single_process(seed=seed)
         self.config, self.mode, self.attention = config, TRAIN_MODES[mode], attention
+        # rows of a micro-batch with one prompt compute it once, logits only where a log-prob is read
+        # (`beam_rl.megatron.packing`)
+        self.share_prompts = share_prompts
         # attention as the spec until the rollout engine reports how it computes it (`set_attention_numerics`)
         self.model = BeamModelProvider(config, mode=PROVIDER_MODES[self.mode.precision], recompute=recompute,
                                        attention_dtype=trainer_attention_dtype(AttentionNumerics(), attention)).provide_loaded(hf_tensors).train()
@@ -139,6 +143,14 @@ class MegatronTrainer(TrainerBackend):
 
     # -- log-probs -----------------------------------------------------------------------------
     def logprobs(self, mb: TrainerBatch, *, temperature: float = 1.0, replay: bool = True, grad: bool = False) -> torch.Tensor:
+        if self.share_prompts:
+            packed = pack_shared_prompts(mb.input_ids, mb.lengths, mb.prompt_lengths,
+                                         mb.routed_experts if replay else None).to(self.device)
+            with torch.set_grad_enabled(grad):
+                lp = packed_sequence_logprobs(self.model, packed, config=self.config, temperature=temperature, mode="processed")
+            if not grad:
+                r3.clear_replay(self.model)
+            return lp
         mb = self.to_device(mb)
         with torch.set_grad_enabled(grad):
             lp, _ = sequence_logprobs(
@@ -183,9 +195,14 @@ class MegatronTrainer(TrainerBackend):
         for part in length_sorted_micro_batches(lengths.tolist(), micro_batch_size or ids.shape[0]):
             sl = torch.tensor(part)
             width = int(lengths[sl].max())  # each micro-batch padded to its own longest sequence
-            lp, mask = sequence_logprobs(self.model, ids[sl, :width].to(d), config=self.config, lengths=lengths[sl].to(d),
-                                         prompt_lengths=prompt_lengths[sl].to(d))
-            loss = -(lp * mask).sum() / tokens.to(d)
+            if self.share_prompts:  # distinct prompts: packing keeps the rows, the LM head runs at response rows only
+                packed = pack_shared_prompts(ids[sl, :width], lengths[sl], prompt_lengths[sl]).to(d)
+                lp = packed_sequence_logprobs(self.model, packed, config=self.config)  # 0 off the response
+                loss = -lp.sum() / tokens.to(d)
+            else:
+                lp, mask = sequence_logprobs(self.model, ids[sl, :width].to(d), config=self.config, lengths=lengths[sl].to(d),
+                                             prompt_lengths=prompt_lengths[sl].to(d))
+                loss = -(lp * mask).sum() / tokens.to(d)
             loss.backward()
             total += loss.detach()
         optimizer.step()

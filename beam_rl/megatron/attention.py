@@ -23,7 +23,8 @@ Positions: Beam's GPT model passes the position ids [b, s] where Megatron passes
 key j is visible to query i of the same row iff j <= i and 0 <= pos_i - pos_j < window (window = None
 on full-attention layers), so right-padded batches need no extra mask whatever positions the padding
 carries (beam-rl continues them, SkyRL sets them to 0: by position alone every real token would see
-such padding keys).
+such padding keys). Shared-prompt packed rows (`beam_rl.megatron.packing`) add segment ids [b, s] in
+Megatron's `attention_mask` slot: then key j must also be in segment 0 (the prompt) or in query i's.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _table(kind: str, device: torch.device, max_positions: int, head_dim: int = 
     return _TABLES[key]
 
 
-_BLOCK_MASKS: list = []  # [(positions, version, window, block mask)]: the masks of the forward in flight
+_BLOCK_MASKS: list = []  # [(positions, segments, version, window, block mask)]: the masks of the forward in flight
 
 
 _flex_attention = fused.cuda_compiled(flex_attention, unbacked=False)  # CPU: the eager forward (no CPU backward)
@@ -108,13 +109,14 @@ def _create_block_mask_compiled():
     return torch.compile(create_block_mask)
 
 
-def _block_mask(positions: torch.Tensor, window: int | None):
-    """FlexAttention's block mask of `BeamSelfAttention`'s visibility rule for positions [b, s],
-    built once per positions tensor and window (every layer of a forward passes the same tensor)."""
+def _block_mask(positions: torch.Tensor, window: int | None, segments: torch.Tensor | None = None):
+    """FlexAttention's block mask of `BeamSelfAttention`'s visibility rule for positions [b, s] (and
+    segments [b, s], packed rows), built once per positions tensor, segments and window (every layer of
+    a forward passes the same tensors)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    for pos, version, w, mask in _BLOCK_MASKS:
-        if pos is positions and version == positions._version and w == window:
+    for pos, seg, version, w, mask in _BLOCK_MASKS:
+        if pos is positions and seg is segments and version == positions._version and w == window:
             return mask
     pos = positions
 
@@ -122,26 +124,35 @@ def _block_mask(positions: torch.Tensor, window: int | None):
     # Python int in the closure is a constant Dynamo specialises on
     span = torch.tensor(_NO_WINDOW if window is None else window, device=positions.device)
 
-    def visible(b, h, q_idx, kv_idx):
-        dist = pos[b, q_idx] - pos[b, kv_idx]
-        return (kv_idx <= q_idx) & (dist >= 0) & (dist < span)
+    if segments is None:
+        def visible(b, h, q_idx, kv_idx):
+            dist = pos[b, q_idx] - pos[b, kv_idx]
+            return (kv_idx <= q_idx) & (dist >= 0) & (dist < span)
+    else:
+        seg = segments
+
+        def visible(b, h, q_idx, kv_idx):
+            dist = pos[b, q_idx] - pos[b, kv_idx]
+            shared = (seg[b, kv_idx] == 0) | (seg[b, kv_idx] == seg[b, q_idx])
+            return (kv_idx <= q_idx) & (dist >= 0) & (dist < span) & shared
 
     b, s = positions.shape
     build = _create_block_mask_compiled() if positions.is_cuda else create_block_mask
     with torch.no_grad():  # a mask has no gradient: one compiled graph for the training and the no-grad forwards
         mask = build(visible, b, None, s, s, device=positions.device)
-    _BLOCK_MASKS[:] = [m for m in _BLOCK_MASKS if m[0] is positions][-1:] + [(positions, positions._version, window, mask)]
+    _BLOCK_MASKS[:] = [m for m in _BLOCK_MASKS if m[0] is positions][-1:] + [(positions, segments, positions._version, window, mask)]
     return mask
 
 
-def flash_attention(q, k, v, positions, window: int | None, output_rounding: str = "nearest"):
+def flash_attention(q, k, v, positions, window: int | None, output_rounding: str = "nearest",
+                    segments: torch.Tensor | None = None):
     """`BeamSelfAttention`'s "flash" attention: q [b, H, s, D], k/v [b, KV, s, D] (BF16) -> [b, H, s, D]
     (BF16) with FlexAttention (compiled Triton kernels, forward and backward; CUDA only: it has no
     CPU backward). Scale 1/sqrt(D); the visibility rule of `core_attention`, as a block mask."""
     if output_rounding != "nearest":
         raise ValueError(f"attention_dtype='flash' rounds its output to nearest; output_rounding={output_rounding!r} "
                          "needs attention_dtype='fp32'")
-    return _flex_attention(q, k, v, block_mask=_block_mask(positions, window), scale=1.0 / math.sqrt(q.shape[-1]),
+    return _flex_attention(q, k, v, block_mask=_block_mask(positions, window, segments), scale=1.0 / math.sqrt(q.shape[-1]),
                            enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -210,15 +221,18 @@ class BeamSelfAttention(fused.FastPaths, MegatronModule):
                                         init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
                                         skip_bias_add=True, is_expert=False, tp_comm_buffer_name="proj", tp_group=group)
 
-    def core_attention(self, q, k, v, positions):
-        """q [b, H, s, D], k/v [b, KV, s, D], positions [b, s] -> [b, H, s, D] rounded once."""
+    def core_attention(self, q, k, v, positions, segments=None):
+        """q [b, H, s, D], k/v [b, KV, s, D], positions [b, s] (segments [b, s] of packed rows) -> [b, H, s, D]
+        rounded once."""
         if self.attention_dtype == "flash":
-            return flash_attention(q, k, v, positions, self.window, self.output_rounding)
+            return flash_attention(q, k, v, positions, self.window, self.output_rounding, segments)
         dist = positions[:, :, None] - positions[:, None, :]  # (b, s_q, s_k)
         index = torch.arange(positions.shape[1], device=positions.device)
         visible = (dist >= 0) & (index[:, None] >= index[None, :])  # causal in the row too: padding comes last
         if self.window is not None:
             visible &= dist < self.window
+        if segments is not None:
+            visible &= (segments[:, None, :] == 0) | (segments[:, None, :] == segments[:, :, None])
         dtype = q.dtype
         if self.attention_dtype == "fp32":
             q, k, v = q.float(), k.float(), v.float()
@@ -237,10 +251,15 @@ class BeamSelfAttention(fused.FastPaths, MegatronModule):
         return numerics.round_to(out, dtype, self.output_rounding)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **kwargs):
-        """hidden_states [s, b, hidden]; `rotary_pos_emb` carries the position ids [b, s]."""
-        positions = rotary_pos_emb
+        """hidden_states [s, b, hidden]; `rotary_pos_emb` carries the position ids [b, s]; `attention_mask`
+        None, or the segment ids [b, s] of shared-prompt packed rows (`beam_rl.megatron.packing`)."""
+        positions, segments = rotary_pos_emb, attention_mask
         if positions is None or positions.dtype.is_floating_point:
             raise ValueError("BeamSelfAttention needs integer position ids [b, s]; build it through BeamGPTModel")
+        if segments is not None and (segments.dtype.is_floating_point or segments.dtype == torch.bool
+                                     or segments.shape != positions.shape):
+            raise ValueError(f"BeamSelfAttention's attention_mask carries integer segment ids shaped like the positions "
+                             f"{tuple(positions.shape)}; got {segments.dtype} {tuple(segments.shape)}")
         if kwargs.get("packed_seq_params") is not None:
             raise NotImplementedError("packed sequences (THD) are not supported; pass right-padded [b, s] batches")
         q, _ = self.linear_q(hidden_states)  # (s, b, H*D)
@@ -265,7 +284,7 @@ class BeamSelfAttention(fused.FastPaths, MegatronModule):
             return t.view(s, b, n, D).permute(1, 2, 0, 3)
 
         attn = self.core_attention(heads_first(q, self.heads), heads_first(k, self.kv_heads),
-                                   heads_first(v.reshape(s * b, self.kv_heads, D), self.kv_heads), positions)
+                                   heads_first(v.reshape(s * b, self.kv_heads, D), self.kv_heads), positions, segments)
         attn = attn.permute(2, 0, 1, 3).reshape(s * b, self.heads, D)  # sequence-major tokens
         out = ops.output_gate(attn, gate.reshape(s * b, self.heads, D), self.gate_bias)
         return self.linear_proj(out.view(s, b, self.heads * D))

@@ -69,7 +69,11 @@ class BeamTransformerLayer(fused.FastPaths, TransformerLayer):
 
 
 class FP32OutputLayer(tensor_parallel.ColumnParallelLinear):
-    """Megatron's vocab-parallel LM head computing `numerics.lm_head_logits` (FP32, unrounded)."""
+    """Megatron's vocab-parallel LM head computing `numerics.lm_head_logits` (FP32, unrounded).
+    `logit_rows` (set by `BeamGPTModel.forward`): only those rows of the sequence-first flattened
+    hidden states [s * b] get logits, returned as [n, 1, V]."""
+
+    logit_rows: torch.Tensor | None = None
 
     def forward(self, input_, weight=None, runtime_gather_output=None):
         weight = self.weight if weight is None else weight
@@ -77,6 +81,8 @@ class FP32OutputLayer(tensor_parallel.ColumnParallelLinear):
             input_ = tensor_parallel.gather_from_sequence_parallel_region(input_)
         else:
             input_ = tensor_parallel.copy_to_tensor_model_parallel_region(input_)
+        if self.logit_rows is not None:
+            input_ = input_.reshape(-1, input_.shape[-1]).index_select(0, self.logit_rows).unsqueeze(1)
         logits = numerics.lm_head_logits(input_, weight, None)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
@@ -147,12 +153,20 @@ class BeamGPTModel(GPTModel):
         out[1] = position_ids.long()  # the rotary_pos_emb slot carries the position ids
         return tuple(out)
 
-    def forward(self, input_ids, position_ids, attention_mask=None, *args, labels=None, **kwargs):
+    def forward(self, input_ids, position_ids, attention_mask=None, *args, labels=None, logit_rows=None, **kwargs):
         """input_ids, position_ids [b, s] -> FP32 logits [b, s, V] (soft-capped; [b, s, V / TP] with
-        parallel_output) on the last stage."""
+        parallel_output) on the last stage; with `logit_rows` [n] (rows of the sequence-first [s * b]
+        tokens) only theirs, [1, n, V]. `attention_mask`: None, or segment ids [b, s] of packed rows
+        (`BeamSelfAttention`)."""
         if labels is not None:
             raise ValueError("BeamGPTModel returns logits; compute losses with beam_rl.megatron.logprobs")
-        out = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if self.post_process:
+            self.output_layer.logit_rows = logit_rows
+        try:
+            out = super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            if self.post_process:
+                self.output_layer.logit_rows = None
         if self.post_process:
             return numerics.softcap(out, self.final_logit_softcapping)
         return out

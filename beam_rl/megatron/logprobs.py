@@ -20,6 +20,7 @@ import torch
 from beam_rl.model.config import BeamConfig
 from beam_rl.megatron import replay as r3
 from beam_rl.megatron.fused import cuda_compiled
+from beam_rl.megatron.packing import PackedBatch
 
 MODES = ("raw", "processed")
 
@@ -90,3 +91,31 @@ def sequence_logprobs(
     target_pos = positions[:, 1:]
     mask = (target_pos >= prompt_lengths[:, None]) & (target_pos < lengths[:, None])
     return lp, mask
+
+
+def packed_sequence_logprobs(
+    model: torch.nn.Module,
+    packed: PackedBatch,
+    *,
+    config: BeamConfig,
+    temperature: float = 1.0,
+    mode: str = "raw",
+) -> torch.Tensor:
+    """`sequence_logprobs`' log-probs [B, T-1] (0 off its mask) of the batch `packed` was packed from
+    (`beam_rl.megatron.packing.pack_shared_prompts`, on the model's device): one forward over the
+    packed rows, logits only at the rows that give a log-prob. With `packed.routed_experts` the
+    routers replay them and stay in REPLAY_BACKWARD, as in `sequence_logprobs`."""
+    R, S = packed.input_ids.shape
+    padding_mask = torch.arange(S, device=packed.input_ids.device)[None] >= packed.lengths[:, None]
+    if packed.routed_experts is not None:
+        r3.set_replay(model, packed.routed_experts, config, R, S)
+    else:
+        r3.clear_replay(model)
+    logits = model(packed.input_ids, packed.positions, packed.segments, padding_mask=padding_mask,
+                   logit_rows=packed.logit_rows)
+    if packed.routed_experts is not None:
+        r3.replay_backward(model)
+    logits = logits.reshape(-1, logits.shape[-1]).index_select(0, packed.gather_rows)
+    lp = logprobs_from_logits(logits, packed.targets, temperature=temperature, mode=mode)
+    B, W = packed.unpacked_shape
+    return torch.zeros(B * W, dtype=lp.dtype, device=lp.device).index_copy(0, packed.out_index, lp).view(B, W)
