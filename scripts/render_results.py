@@ -396,6 +396,7 @@ def trainer_page() -> Page:
         ("the slow steps", drun["compile_steps"]),
         ("tokens/s in the train phase", span([r["train_tokens_per_s"] for r in dsteps if "train_s" in r], "{:,.0f}")),
         ("R3 gap per step, mean |d|", span([r["mean_abs_logprob_diff"] for r in dsteps if "train_s" in r], "{:.2e}"))])
+    packing = [dapo_train_table(name) for name in sorted(p.name for p in BENCH.glob("dapo_train_*.json"))]
     host = [{**d["provenance"], "mode": r["mode"], **h} for r in speed if r["mode"] in ("bf16", "lora") for h in r.get("host_top", [])[:8]]
     hd = load("train_host_cpu.json")
     title = f"{speed[0]['preset']}, {speed[0]['tokens_per_step']} tokens per step (batch 4 x 4096), one step"
@@ -421,6 +422,7 @@ def trainer_page() -> Page:
         table("Goals (issue 29), this run", goals, cols("goal", "value", "result"),
               ),
         dapo_table,
+        *packing,
         table("Where the host goes: one cProfiled step, the 8 functions with the most own time (cProfile slows "
               "Python, so these rank the host work rather than time it)", host,
               cols("mode", "function", "calls", "own ms=own_ms:.1f", "cumulative ms=cumulative_ms:.1f")),
@@ -437,6 +439,21 @@ def trainer_page() -> Page:
             f"bf16 step {bf['step_s']:.3f} s for {bf['tokens_per_step']} tokens, {bf['mfu']:.1%} MFU "
             f"({bf['vs_baseline']:.2f}x the plain-PyTorch baseline; Megatron's GPT-MoE peer {by['peer']['mfu']:.1%}); parity test: {meg['outcome']}",
             where(meg, bf))
+
+
+def dapo_train_table(name: str) -> str:
+    """`scripts/bench_dapo_train.py`'s rows: the DAPO train phase with and without shared-prompt packing."""
+    d = load(name)
+    p = d["provenance"]
+    return table(f"The DAPO train phase with shared-prompt packing ({p['preset']}, {p['mode']}; a step's rollouts in "
+                 f"groups of {p['group_size']}, {p['updates_per_step']} updates, micro-batches of {p['micro_batch_size']})",
+                 [{**p, **r} for r in d["rows"]],
+                 cols("variant", "sequences", "micro-batches=micro_batches", "token rows a pass=token_rows:,",
+                      "LM-head rows a pass=lm_head_rows:,", "train s=train_s:.2f", "x unpacked=vs_unpacked:.2f"),
+                 "`unpacked`: every row computes its own prompt, the LM head every position; `packed` "
+                 "(`train.share_prompts`, the default): a group's prompt once per micro-batch, its responses after it in "
+                 "segments of their own, the LM head only where a log-prob is read (`beam_rl/megatron/packing.py`). "
+                 "The responses are the problems' worked solutions; the two agree to BF16 precision (tests/test_packing.py).")
 
 
 def gap_rows(folder: str, modes=None) -> list[Rec]:

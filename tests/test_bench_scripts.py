@@ -315,3 +315,30 @@ def test_dapo_rollout_bench_takes_the_loop_call_apart(tiny_engine):
         bench_dapo_rollout.measure(tiny_engine, recipe, round_, variants=("vllm", "loop"))
     with pytest.raises(SystemExit, match="'loop' first"):
         bench_dapo_rollout.main(["--recipe", "recipes/tiny-cpu.yaml", "--checkpoint", ".", "--variants", "vllm,loop"])
+
+
+def test_dapo_train_bench_compares_packed_with_unpacked(tiny_config):
+    """scripts/bench_dapo_train.py on beam-tiny with the math rehearsal's shape (2 groups of 8): both
+    variants run the loop's train phase; packed computes each group's prompt once (fewer token rows),
+    the LM head only where a log-prob is read (one row per response token, a prompt's last row once per
+    group); 'unpacked' must come first."""
+    import bench_dapo_train
+
+    from beam_rl.dapo.config import load_recipe
+    from beam_rl.engines import build_trainer
+    from beam_rl.model.modeling import build_model
+
+    recipe = load_recipe("recipes/math/tiny-cpu/bf16.yaml", validate=False)
+    policy = build_trainer(tiny_config, build_model(tiny_config, seed=0).state_dict(), mode="bf16")
+    policy.make_optimizer(lr=1e-4)
+    groups = bench_dapo_train.step_groups(recipe, tiny_config, 2)
+    rows = bench_dapo_train.measure(policy, recipe, tiny_config, groups, repeats=1)
+    unpacked, packed = rows
+    assert [r["variant"] for r in rows] == ["unpacked", "packed"] and unpacked["vs_unpacked"] == 1.0
+    responses = sum(len(s.output_ids) for g in groups for s in g.samples)
+    prompts = sum(len(g.samples[0].prompt_ids) for g in groups)
+    assert packed["lm_head_rows"] == responses - sum(len(g.samples) for g in groups) + len(groups)
+    assert packed["token_rows"] >= prompts + responses and packed["token_rows"] < unpacked["token_rows"] / 3
+    assert all(r["train_s"] > 0 and r["sequences"] == 16 for r in rows)
+    with pytest.raises(ValueError, match="'unpacked' must come first"):
+        bench_dapo_train.measure(policy, recipe, tiny_config, groups, variants=("packed", "unpacked"))

@@ -104,12 +104,18 @@ def test_packed_logprobs_and_gradients_are_the_unpacked_ones(tiny_config, mode, 
         assert worst <= bound, (name, worst)
 
 
-def test_segment_ids_must_be_integers_shaped_like_the_positions(tiny_config):
+def test_segment_ids_must_be_shaped_like_the_positions_and_boolean_masks_are_ignored(tiny_config):
+    """Integer segment ids of another shape are refused by name; a boolean mask (SkyRL passes Transformer
+    Engine's padding mask in that slot) changes nothing, as before packing existed."""
     init_single_process()
     model = BeamModelProvider(tiny_config, mode="fp32").provide_loaded(build_model(tiny_config, seed=0).state_dict())
-    ids = torch.ones(1, 6, dtype=torch.long)
-    with torch.no_grad(), pytest.raises(ValueError, match="integer segment ids"):
-        model(ids, torch.arange(6)[None], torch.ones(1, 6, dtype=torch.bool))
+    ids, pos = torch.arange(1, 7)[None], torch.arange(6)[None]
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="integer segment ids shaped like the positions"):
+            model(ids, pos, torch.zeros(1, 5, dtype=torch.int32))
+        plain = model(ids, pos, None)
+        assert torch.equal(model(ids, pos, torch.ones(1, 1, 6, 6, dtype=torch.bool)), plain)
+        assert torch.equal(model(ids, pos, torch.zeros(1, 6, dtype=torch.int32)), plain)  # one segment: the plain rule
 
 
 def test_micro_batches_keep_a_prompts_requests_together():

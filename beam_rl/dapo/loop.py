@@ -54,6 +54,50 @@ def dapo_loss_fn(mbs: list, olds: list, advs: list, masks: list, settings: LossS
     return loss
 
 
+def train_groups(policy, config, r: Recipe, groups: list[Group]) -> dict:
+    """The DAPO step's train phase on its kept groups: the old log-probs of every rollout (before any
+    update; the ratio's denominator and the step's trainer-rollout gap), then `dapo.updates_per_step`
+    optimizer updates, each on its share of the groups in micro-batches of `train.micro_batch_size`
+    (a group's rollouts kept together where the trainer shares their prompt)."""
+    d = r.dapo
+    G = r.rollout.group_size
+    batch = RolloutBatch(tuple(s for g in groups for s in g.samples), config)
+    adv = compute_advantages(d.advantage, torch.tensor([g.rewards for g in groups])).reshape(-1)  # (N,)
+    keep = [k for g in groups for k in overlong_keep(g.truncated, d.overlong.filtering)]
+    mb_size = r.train.micro_batch_size
+    minis = np.array_split(np.arange(len(groups)), d.updates_per_step)
+    settings = LossSettings(d.eps_low, d.eps_high, d.loss_agg, d.tis_cap, d.kl_coef)
+    # Old log-probs (replaying unless train.routing_replay is off; before any update): the DAPO
+    # ratio's denominator and the trainer-rollout gap.
+    plans = []
+    gaps = []
+    with policy.fixed_weights():
+        for mini in minis:
+            rows = [gi * G + j for gi in mini for j in range(G)]
+            mbs, olds, advs, masks = [], [], [], []
+            for mb in batch.micro_batches(mb_size, rows, keep_prompt_groups=r.train.share_prompts):
+                old = policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
+                dev = old.device
+                gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])
+                keep_rows = torch.tensor([keep[i] for i in mb.indices], device=dev)
+                mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)].to(dev))
+                masks.append(mb.mask.to(dev) & keep_rows[:, None])
+            plans.append((mbs, olds, advs, masks))
+    gap = torch.cat(gaps).float().cpu()
+    out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
+    if r.train.share_prompts and r.train.routing_replay:
+        out["prompt_routing_disagreement"] = prompt_routing_disagreement(batch.samples)
+    sums: dict[str, float] = {}
+    for mbs, olds, advs, masks in plans:
+        m = policy.step(mbs, dapo_loss_fn(mbs, olds, advs, masks, settings, d.loss), temperature=r.rollout.temperature,
+                        replay=r.train.routing_replay)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v / len(plans)
+        out["train_tokens"] += int(sum(int(mb.lengths.sum()) for mb in mbs))
+    out.update(sums)
+    return out
+
+
 class R3GapError(RuntimeError):
     """A step's mean |trainer - rollout log-prob| exceeded run.max_mean_abs_logprob_diff."""
 
@@ -266,43 +310,7 @@ class Job:
         return sampler, stats
 
     def train(self, groups: list[Group]) -> dict:
-        r, d = self.r, self.r.dapo
-        G = r.rollout.group_size
-        batch = RolloutBatch(tuple(s for g in groups for s in g.samples), self.config)
-        adv = compute_advantages(d.advantage, torch.tensor([g.rewards for g in groups])).reshape(-1)  # (N,)
-        keep = [k for g in groups for k in overlong_keep(g.truncated, d.overlong.filtering)]
-        mb_size = r.train.micro_batch_size
-        minis = np.array_split(np.arange(len(groups)), d.updates_per_step)
-        settings = LossSettings(d.eps_low, d.eps_high, d.loss_agg, d.tis_cap, d.kl_coef)
-        # Old log-probs (replaying unless train.routing_replay is off; before any update): the DAPO
-        # ratio's denominator and the trainer-rollout gap.
-        plans = []
-        gaps = []
-        with self.policy.fixed_weights():
-            for mini in minis:
-                rows = [gi * G + j for gi in mini for j in range(G)]
-                mbs, olds, advs, masks = [], [], [], []
-                for mb in batch.micro_batches(mb_size, rows, keep_prompt_groups=r.train.share_prompts):
-                    old = self.policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
-                    dev = old.device
-                    gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])
-                    keep_rows = torch.tensor([keep[i] for i in mb.indices], device=dev)
-                    mbs.append(mb), olds.append(old), advs.append(adv[list(mb.indices)].to(dev))
-                    masks.append(mb.mask.to(dev) & keep_rows[:, None])
-                plans.append((mbs, olds, advs, masks))
-        gap = torch.cat(gaps).float().cpu()
-        out = {"mean_abs_logprob_diff": float(gap.mean()), "max_abs_logprob_diff": float(gap.max()), "train_tokens": 0}
-        if r.train.share_prompts and r.train.routing_replay:
-            out["prompt_routing_disagreement"] = prompt_routing_disagreement(batch.samples)
-        sums: dict[str, float] = {}
-        for mbs, olds, advs, masks in plans:
-            m = self.policy.step(mbs, dapo_loss_fn(mbs, olds, advs, masks, settings, d.loss), temperature=r.rollout.temperature,
-                                 replay=r.train.routing_replay)
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + v / len(plans)
-            out["train_tokens"] += int(sum(int(mb.lengths.sum()) for mb in mbs))
-        out.update(sums)
-        return out
+        return train_groups(self.policy, self.config, self.r, groups)
 
     def sync(self, step: int) -> dict:
         t0 = time.perf_counter()

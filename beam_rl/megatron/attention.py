@@ -251,15 +251,19 @@ class BeamSelfAttention(fused.FastPaths, MegatronModule):
         return numerics.round_to(out, dtype, self.output_rounding)
 
     def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None, **kwargs):
-        """hidden_states [s, b, hidden]; `rotary_pos_emb` carries the position ids [b, s]; `attention_mask`
-        None, or the segment ids [b, s] of shared-prompt packed rows (`beam_rl.megatron.packing`)."""
-        positions, segments = rotary_pos_emb, attention_mask
+        """hidden_states [s, b, hidden]; `rotary_pos_emb` carries the position ids [b, s]; `attention_mask`:
+        integer segment ids [b, s] of shared-prompt packed rows (`beam_rl.megatron.packing`); a boolean or
+        floating mask (SkyRL passes Transformer Engine's padding mask) is not needed, since the visibility
+        rule keeps right padding out, and is ignored as before."""
+        positions = rotary_pos_emb
         if positions is None or positions.dtype.is_floating_point:
             raise ValueError("BeamSelfAttention needs integer position ids [b, s]; build it through BeamGPTModel")
-        if segments is not None and (segments.dtype.is_floating_point or segments.dtype == torch.bool
-                                     or segments.shape != positions.shape):
-            raise ValueError(f"BeamSelfAttention's attention_mask carries integer segment ids shaped like the positions "
-                             f"{tuple(positions.shape)}; got {segments.dtype} {tuple(segments.shape)}")
+        segments = attention_mask
+        if segments is not None and (segments.dtype.is_floating_point or segments.dtype == torch.bool):
+            segments = None
+        if segments is not None and segments.shape != positions.shape:
+            raise ValueError(f"BeamSelfAttention's attention_mask: integer segment ids shaped like the positions "
+                             f"{tuple(positions.shape)} expected; got {segments.dtype} {tuple(segments.shape)}")
         if kwargs.get("packed_seq_params") is not None:
             raise NotImplementedError("packed sequences (THD) are not supported; pass right-padded [b, s] batches")
         q, _ = self.linear_q(hidden_states)  # (s, b, H*D)
