@@ -180,14 +180,11 @@ def main(argv=None) -> int:
             f", torch {torch.__version__}, megatron-core {version('megatron-core')}"
         prov = {"command": "python scripts/bench_dapo_train.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "date": time.strftime("%Y-%m-%d"), "device": device, "commit": commit or None,
-                "preset": config_name(config), "mode": t.mode, "micro_batch_size": t.micro_batch_size,
+                "model": recipe.model.preset + (f", {args.checkpoint}" if args.checkpoint else f", init seed {recipe.model.init_seed}"),
+                "mode": t.mode, "micro_batch_size": t.micro_batch_size,
                 "updates_per_step": recipe.dapo.updates_per_step, "group_size": recipe.rollout.group_size}
         args.json.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
     return 0
-
-
-def config_name(config) -> str:
-    return f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, {config.num_experts} experts"
 
 
 if __name__ == "__main__":

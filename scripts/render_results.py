@@ -445,7 +445,7 @@ def dapo_train_table(name: str) -> str:
     """`scripts/bench_dapo_train.py`'s rows: the DAPO train phase with and without shared-prompt packing."""
     d = load(name)
     p = d["provenance"]
-    return table(f"The DAPO train phase with shared-prompt packing ({p['preset']}, {p['mode']}; a step's rollouts in "
+    return table(f"The DAPO train phase with shared-prompt packing ({p['model']}, {p['mode']}; a step's rollouts in "
                  f"groups of {p['group_size']}, {p['updates_per_step']} updates, micro-batches of {p['micro_batch_size']})",
                  [{**p, **r} for r in d["rows"]],
                  cols("variant", "sequences", "micro-batches=micro_batches", "token rows a pass=token_rows:,",
