@@ -88,42 +88,43 @@ def pack_shared_prompts(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_l
         K = routed_experts.shape[-1]
         routed = torch.arange(K, dtype=routed_experts.dtype).expand(R, S, routed_experts.shape[2], K).clone()
         src_routed = routed_experts.cpu()
-    logit_cols: list[tuple[int, int]] = []  # (row, column) of each needed logit
+    logit_flat: list[torch.Tensor] = []  # sequence-first flat rows ([S * R]: column * R + row) of the needed logits
     gather, targets, out = [], [], []
+    needed = 0  # logit rows so far
     for r, group in enumerate(groups):
         first, P = group[0], plens[group[0]]
         packed[r, :P] = ids[first, :P]
         positions[r, :P] = torch.arange(P)
         if routed is not None:
             routed[r, :P] = src_routed[first, :P]
-        prompt_logit = len(logit_cols)
-        logit_cols.append((r, P - 1))
+        prompt_logit = needed  # the prompt's last row: every member's first response token reads it
+        logit_flat.append(torch.tensor([(P - 1) * R + r]))
+        needed += 1
         col = P
         for k, b in enumerate(group, start=1):
-            G = lens[b] - P
-            packed[r, col:col + G] = ids[b, P:lens[b]]
-            positions[r, col:col + G] = torch.arange(P, lens[b])
+            N = lens[b]
+            G = N - P
+            packed[r, col:col + G] = ids[b, P:N]
+            positions[r, col:col + G] = torch.arange(P, N)
             segments[r, col:col + G] = k
             if routed is not None:
-                routed[r, col:col + G] = src_routed[b, P:lens[b]]
-            # log-prob at unpacked column t targets token t + 1: t = P - 1 reads the prompt's last row,
-            # t >= P the member's own row t - P (its last token's logits are not needed)
-            for t in range(P - 1, lens[b] - 1):
-                if t == P - 1:
-                    gather.append(prompt_logit)
-                else:
-                    gather.append(len(logit_cols))
-                    logit_cols.append((r, col + t - P))
-                targets.append(int(ids[b, t + 1]))
-                out.append(b * (T - 1) + t)
+                routed[r, col:col + G] = src_routed[b, P:N]
+            if G:
+                # unpacked column t (P - 1 <= t < N - 1) is the log-prob of token t + 1: t = P - 1 reads the
+                # prompt's last row, t >= P the member's row col + t - P (its last token's logits are not needed)
+                logit_flat.append(torch.arange(col, col + G - 1) * R + r)
+                gather.append(torch.cat([torch.tensor([prompt_logit]), torch.arange(needed, needed + G - 1)]))
+                needed += G - 1
+                targets.append(ids[b, P:N])
+                out.append(b * (T - 1) + torch.arange(P - 1, N - 1))
             col += G
         # padding comes after every real token, so no real token sees it whatever its position: the last
         # token's position (within the model's range) and segment
         positions[r, col:] = positions[r, col - 1]
         segments[r, col:] = segments[r, col - 1]
-    rows = torch.tensor(logit_cols, dtype=torch.long).view(-1, 2)
+    empty = torch.zeros(0, dtype=torch.long)
     return PackedBatch(
         input_ids=packed, positions=positions, segments=segments, lengths=torch.tensor(widths),
-        routed_experts=routed, logit_rows=rows[:, 1] * R + rows[:, 0],
-        gather_rows=torch.tensor(gather, dtype=torch.long), targets=torch.tensor(targets, dtype=torch.long),
-        out_index=torch.tensor(out, dtype=torch.long), unpacked_shape=(B, T - 1))
+        routed_experts=routed, logit_rows=torch.cat(logit_flat),
+        gather_rows=torch.cat(gather) if gather else empty, targets=torch.cat(targets).long() if targets else empty,
+        out_index=torch.cat(out) if out else empty, unpacked_shape=(B, T - 1))
