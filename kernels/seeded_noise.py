@@ -29,8 +29,8 @@ MASK_64 = (1 << 64) - 1
 U_BITS = 23
 
 
-def _signed(c: int) -> int:
-    """c (an unsigned 64-bit constant) as the int64 with the same bits."""
+def as_int64(c: int) -> int:
+    """c (an unsigned 64-bit integer: a constant, a generator's seed) as the int64 with the same bits."""
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
@@ -43,20 +43,20 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix64(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _shr(z, 30)) * _signed(MIX_1)
-    z = (z ^ _shr(z, 27)) * _signed(MIX_2)
+    z = (z ^ _shr(z, 30)) * as_int64(MIX_1)
+    z = (z ^ _shr(z, 27)) * as_int64(MIX_2)
     return z ^ _shr(z, 31)
 
 
 def row_keys(seeds: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Each row's stream key, int64 [n], from its seed and draw index (int64 [n] each)."""
-    return _mix64(_mix64(seeds + _signed(GOLDEN)) + indices + 1)
+    return _mix64(_mix64(seeds + as_int64(GOLDEN)) + indices + 1)
 
 
 def uniform_bits_reference(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
     """The 23 random bits of every (row, vocabulary id), int32 [n, vocab]."""
     keys = row_keys(seeds.long(), indices.long())
-    cols = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device) * _signed(GOLDEN)
+    cols = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device) * as_int64(GOLDEN)
     z = _mix64(keys[:, None] + cols[None, :])
     return _shr(z, 64 - U_BITS).int()
 

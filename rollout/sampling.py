@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from beam_rl.kernels.seeded_noise import fill_exponential_noise_
+from beam_rl.kernels.seeded_noise import as_int64, fill_exponential_noise_
 
 # Philox offset advance of one `exponential_` of a vocabulary row, as vLLM's rewind assumes
 PHILOX_OFFSET_PER_DRAW = 4
@@ -46,10 +46,6 @@ def draw_index(generator: torch.Generator) -> int:
     return offset // PHILOX_OFFSET_PER_DRAW
 
 
-def _as_int64(seed: int) -> int:
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
-
-
 def counter_seeded_random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
                                  use_fp64_gumbel: bool = False) -> torch.Tensor:
     """vLLM's `random_sample(probs, generators, use_fp64_gumbel)`, the seeded rows' noise from
@@ -60,12 +56,14 @@ def counter_seeded_random_sample(probs: torch.Tensor, generators: dict[int, torc
     if len(generators) != probs.shape[0]:
         q.exponential_()
     rows = list(generators)
-    keys = torch.tensor([rows, [_as_int64(g.initial_seed()) for g in generators.values()],
+    keys = torch.tensor([rows, [as_int64(g.initial_seed()) for g in generators.values()],
                          [draw_index(g) for g in generators.values()]], dtype=torch.int64)
     if probs.is_cuda:
         keys = keys.pin_memory().to(probs.device, non_blocking=True)
     fill_exponential_noise_(q, keys[0], keys[1], keys[2])
-    return probs.div_(q).argmax(dim=-1).view(-1)
+    from vllm.v1.sample.ops.topk_topp_sampler import sample_with_exponential_noise
+
+    return sample_with_exponential_noise(probs, q)
 
 
 def installed() -> bool:
