@@ -56,11 +56,17 @@ def trainer_id_dtype(num_experts: int) -> torch.dtype:
     return torch.uint8 if rollout_id_dtype(num_experts) == np.uint8 else torch.int32
 
 
+def padding_routes(rows: int, tokens: int, moe_layers: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, tokens, moe_layers, top_k] of experts 0..top_k-1, what rows without routing replay (padding,
+    a sequence's last token: their outputs predict nothing)."""
+    return torch.arange(top_k, dtype=dtype).expand(rows, tokens, moe_layers, top_k).clone()
+
+
 def pad_routed_experts(per_sequence: list[torch.Tensor], tokens: int, config: BeamConfig, *, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Stack per-sequence [T_i, L, K] ids into the right-padded batch layout [B, tokens, L, K]
     (padding rows get experts 0..K-1; padded tokens never influence real ones)."""
     K, L = config.num_experts_per_tok, config.num_moe_layers
-    out = torch.arange(K, dtype=dtype).expand(len(per_sequence), tokens, L, K).clone()
+    out = padding_routes(len(per_sequence), tokens, L, K, dtype)
     for i, ids in enumerate(per_sequence):
         ids = torch.as_tensor(ids)
         if ids.dim() != 3 or ids.shape[1:] != (L, K) or ids.shape[0] > tokens:

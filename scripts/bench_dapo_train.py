@@ -66,21 +66,19 @@ def step_groups(recipe, config, groups: int | None, seed: int = 0):
     return out
 
 
-def shapes(recipe, config, groups, packed: bool) -> dict:
-    """Micro-batches, model token rows (padding included) and LM-head rows of one train phase."""
-    import numpy as np
-
+def shapes(recipe, config, groups) -> dict:
+    """Micro-batches, model token rows (padding included) and LM-head rows of one pass over the step's
+    rollouts, micro-batched as `recipe` says (`dapo.loop.update_micro_batches`)."""
+    from beam_rl.dapo.loop import update_micro_batches
     from beam_rl.megatron.packing import pack_shared_prompts
     from beam_rl.r3 import RolloutBatch
 
-    G = recipe.rollout.group_size
     batch = RolloutBatch(tuple(s for g in groups for s in g.samples), config)
     counts = {"micro_batches": 0, "token_rows": 0, "lm_head_rows": 0}
-    for mini in np.array_split(np.arange(len(groups)), recipe.dapo.updates_per_step):
-        rows = [gi * G + j for gi in mini for j in range(G)]
-        for mb in batch.micro_batches(recipe.train.micro_batch_size, rows, keep_prompt_groups=packed):
+    for update in update_micro_batches(batch, recipe, len(groups)):
+        for mb in update:
             counts["micro_batches"] += 1
-            if packed:
+            if recipe.train.share_prompts:
                 p = pack_shared_prompts(mb.input_ids, mb.lengths, mb.prompt_lengths)
                 counts["token_rows"] += p.input_ids.numel()
                 counts["lm_head_rows"] += p.logit_rows.numel()
@@ -100,10 +98,12 @@ def measure(policy, recipe, config, groups, *, repeats: int = 3, variants=VARIAN
     if not variants or variants[0] != "unpacked":
         raise ValueError(f"variants {tuple(variants)}: 'unpacked' must come first, the baseline of the ratios")
 
+    recipes = {v: dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, share_prompts=v == "packed"))
+               for v in variants}
+
     def run(variant: str) -> float:
-        packed = variant == "packed"
-        r = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, share_prompts=packed))
-        policy.share_prompts = packed
+        r = recipes[variant]
+        policy.share_prompts = r.train.share_prompts
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -120,7 +120,7 @@ def measure(policy, recipe, config, groups, *, repeats: int = 3, variants=VARIAN
             times[v].append(run(v))
     rows = []
     for v in variants:
-        rows.append({"variant": v, **shapes(recipe, config, groups, v == "packed"),
+        rows.append({"variant": v, **shapes(recipes[v], config, groups),
                      "sequences": sum(len(g.samples) for g in groups), "train_s": round(statistics.median(times[v]), 3)})
     for row in rows:
         row["vs_unpacked"] = round(row["train_s"] / rows[0]["train_s"], 3)

@@ -54,28 +54,35 @@ def dapo_loss_fn(mbs: list, olds: list, advs: list, masks: list, settings: LossS
     return loss
 
 
+def update_micro_batches(batch: RolloutBatch, r: Recipe, groups: int):
+    """The micro-batches of each of a step's `dapo.updates_per_step` updates: the step's `groups`
+    groups of `batch` (in order, `rollout.group_size` rollouts each) split evenly between the
+    updates, each update's rollouts in micro-batches of `train.micro_batch_size`, a group's kept
+    together where the trainer shares their prompt (`train.share_prompts`)."""
+    G = r.rollout.group_size
+    return [list(batch.micro_batches(r.train.micro_batch_size, [gi * G + j for gi in mini for j in range(G)],
+                                     keep_prompt_groups=r.train.share_prompts))
+            for mini in np.array_split(np.arange(groups), r.dapo.updates_per_step)]
+
+
 def train_groups(policy, config, r: Recipe, groups: list[Group]) -> dict:
     """The DAPO step's train phase on its kept groups: the old log-probs of every rollout (before any
     update; the ratio's denominator and the step's trainer-rollout gap), then `dapo.updates_per_step`
     optimizer updates, each on its share of the groups in micro-batches of `train.micro_batch_size`
     (a group's rollouts kept together where the trainer shares their prompt)."""
     d = r.dapo
-    G = r.rollout.group_size
     batch = RolloutBatch(tuple(s for g in groups for s in g.samples), config)
     adv = compute_advantages(d.advantage, torch.tensor([g.rewards for g in groups])).reshape(-1)  # (N,)
     keep = [k for g in groups for k in overlong_keep(g.truncated, d.overlong.filtering)]
-    mb_size = r.train.micro_batch_size
-    minis = np.array_split(np.arange(len(groups)), d.updates_per_step)
     settings = LossSettings(d.eps_low, d.eps_high, d.loss_agg, d.tis_cap, d.kl_coef)
     # Old log-probs (replaying unless train.routing_replay is off; before any update): the DAPO
     # ratio's denominator and the trainer-rollout gap.
     plans = []
     gaps = []
     with policy.fixed_weights():
-        for mini in minis:
-            rows = [gi * G + j for gi in mini for j in range(G)]
+        for update in update_micro_batches(batch, r, len(groups)):
             mbs, olds, advs, masks = [], [], [], []
-            for mb in batch.micro_batches(mb_size, rows, keep_prompt_groups=r.train.share_prompts):
+            for mb in update:
                 old = policy.logprobs(mb, temperature=r.rollout.temperature, replay=r.train.routing_replay)
                 dev = old.device
                 gaps.append((old - mb.rollout_logprobs.to(dev)).abs()[mb.mask.to(dev)])

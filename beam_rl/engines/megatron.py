@@ -143,20 +143,17 @@ class MegatronTrainer(TrainerBackend):
 
     # -- log-probs -----------------------------------------------------------------------------
     def logprobs(self, mb: TrainerBatch, *, temperature: float = 1.0, replay: bool = True, grad: bool = False) -> torch.Tensor:
-        if self.share_prompts:
-            packed = pack_shared_prompts(mb.input_ids, mb.lengths, mb.prompt_lengths,
-                                         mb.routed_experts if replay else None).to(self.device)
-            with torch.set_grad_enabled(grad):
-                lp = packed_sequence_logprobs(self.model, packed, config=self.config, temperature=temperature, mode="processed")
-            if not grad:
-                r3.clear_replay(self.model)
-            return lp
-        mb = self.to_device(mb)
         with torch.set_grad_enabled(grad):
-            lp, _ = sequence_logprobs(
-                self.model, mb.input_ids, config=self.config, lengths=mb.lengths, prompt_lengths=mb.prompt_lengths,
-                temperature=temperature, mode="processed", routed_experts=mb.routed_experts if replay else None,
-            )
+            if self.share_prompts:  # packed on the host from the micro-batch's CPU tensors, then moved
+                packed = pack_shared_prompts(mb.input_ids, mb.lengths, mb.prompt_lengths,
+                                             mb.routed_experts if replay else None).to(self.device)
+                lp = packed_sequence_logprobs(self.model, packed, config=self.config, temperature=temperature, mode="processed")
+            else:
+                mb = self.to_device(mb)
+                lp, _ = sequence_logprobs(
+                    self.model, mb.input_ids, config=self.config, lengths=mb.lengths, prompt_lengths=mb.prompt_lengths,
+                    temperature=temperature, mode="processed", routed_experts=mb.routed_experts if replay else None,
+                )
         if not grad:
             r3.clear_replay(self.model)
         return lp

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from beam_rl.r3 import padding_routes
+
 
 @dataclass(frozen=True)
 class PackedBatch:
@@ -63,7 +65,7 @@ def prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> list
     groups: dict[bytes, list[int]] = {}
     ids, plen = input_ids.cpu(), prompt_lengths.cpu().tolist()
     for b, p in enumerate(plen):
-        groups.setdefault(p.to_bytes(4, "little") + ids[b, :p].numpy().tobytes(), []).append(b)
+        groups.setdefault(ids[b, :p].numpy().tobytes(), []).append(b)  # 8 bytes a token: the length is in the key
     return list(groups.values())
 
 
@@ -84,9 +86,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_l
     segments = torch.zeros(R, S, dtype=torch.int32)
     routed = None
     if routed_experts is not None:
-        # padding rows replay experts 0..K-1, as `r3.pad_routed_experts` pads
-        K = routed_experts.shape[-1]
-        routed = torch.arange(K, dtype=routed_experts.dtype).expand(R, S, routed_experts.shape[2], K).clone()
+        routed = padding_routes(R, S, routed_experts.shape[2], routed_experts.shape[3], routed_experts.dtype)
         src_routed = routed_experts.cpu()
     logit_flat: list[torch.Tensor] = []  # sequence-first flat rows ([S * R]: column * R + row) of the needed logits
     gather, targets, out = [], [], []
