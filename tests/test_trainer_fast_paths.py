@@ -199,6 +199,30 @@ def test_compiled_trainer_ops_compile_once_for_every_shape(name):
     assert not any(hasattr(a, "_dynamo_unbacked_indices") for a in args if isinstance(a, torch.Tensor))  # marks on aliases
 
 
+def test_compiled_logprobs_serve_packed_and_unpacked_calls(monkeypatch):
+    """Packed log-probs ([tokens, V], `packed_sequence_logprobs`) and unpacked ones ([rows, tokens, V],
+    `sequence_logprobs`) in one process, in either order, forward and backward through the compiled
+    kernel: a call of a new rank had recompiled it with the targets column's 1 as an unbacked size,
+    and squeeze's backward raised GuardOnDataDependentSymNode (the GPU packing test, H100)."""
+    from beam_rl.megatron import logprobs
+
+    monkeypatch.setattr(logprobs, "_logprobs_fused", fused.compiled_on(("cpu",), logprobs._logprobs))
+    gen = torch.Generator().manual_seed(0)
+    V = 64
+    for lead in [(37,), (4, 21), (41,), (5, 19), (1, 12)]:
+        x = torch.randn(*lead, V, generator=gen, requires_grad=True)
+        targets = torch.randint(0, V, lead, generator=gen)
+        got = logprobs.logprobs_from_logits(x, targets, temperature=0.7, mode="processed")
+        (got * torch.arange(got.numel()).view(lead)).sum().backward()
+        want_x = x.detach().clone().requires_grad_()
+        want = logprobs._logprobs(want_x, targets.unsqueeze(-1), 0.7)
+        (want * torch.arange(want.numel()).view(lead)).sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, want_x.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="targets of their leading shape"):
+        logprobs.logprobs_from_logits(torch.zeros(3, 4, V), torch.zeros(3, 5, dtype=torch.long))
+
+
 def test_trainer_attention_choice():
     from beam_rl.megatron.attention import trainer_attention_dtype
 

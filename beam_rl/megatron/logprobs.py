@@ -26,12 +26,21 @@ MODES = ("raw", "processed")
 
 
 def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, mode: str = "raw") -> torch.Tensor:
-    """FP32 log p(targets) from logits [..., V]; `mode` as in the module docstring."""
+    """FP32 log p(targets) from logits [rows, tokens, V] or [tokens, V] (targets: their leading shape);
+    `mode` as in the module docstring."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose 'raw' (vLLM raw_logprobs) or 'processed' (logits / temperature)")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     temperature = temperature if mode == "processed" else 1.0
+    if logits.dim() not in (2, 3) or targets.shape != logits.shape[:-1]:
+        raise ValueError(f"logits [rows, tokens, V] or [tokens, V] with targets of their leading shape expected; "
+                         f"got logits {tuple(logits.shape)}, targets {tuple(targets.shape)}")
+    if logits.dim() == 2:
+        # as one row: the compiled kernel always sees rank 3. A call of another rank recompiles with
+        # every dimension dynamic, the targets column's 1 included, and squeeze's backward then
+        # guards on it (GuardOnDataDependentSymNode: packed then unpacked log-probs in one process)
+        return logprobs_from_logits(logits[None], targets[None], temperature=temperature, mode=mode)[0]
     # targets as a column [..., 1]: its token dimensions are then marked unbacked with the logits'
     # (`fused.compiled_on`: all but the last), where [B, T] would pin T to the first batch's width
     return _logprobs_fused(logits, targets.unsqueeze(-1), temperature)
