@@ -2,7 +2,7 @@
 shared-prompt packing (`beam_rl.megatron.packing`), in one trainer.
 
     python scripts/bench_dapo_train.py --recipe recipes/math/bf16.yaml [--checkpoint CKPT]
-                                       [--groups N] [--repeats 3] [--json OUT.json]
+                                       [--groups N] [--repeats 3] [--unpacked-micro-batch N] [--json OUT.json]
 
 One Megatron trainer built as `beam-rl dapo` builds it for the recipe (mode, attention, recompute;
 CKPT's weights, or the recipe's preset at its init seed), and one step's kept groups: `--groups`
@@ -13,7 +13,10 @@ routed alike, as one prefill would route them). Each variant runs `dapo.loop.tra
 loop's train phase (old log-probs, then `dapo.updates_per_step` updates in micro-batches of
 `train.micro_batch_size`), once untimed, then `--repeats` times interleaved:
 - unpacked: `train.share_prompts: false`: length-sorted micro-batches, every row its prompt, the LM
-            head at every position
+            head at every position; `--unpacked-micro-batch N` sets its micro-batch size where the
+            recipe's is sized for packed rows (recipes/math/warm-mini-h200.yaml's 256 unpacked rows of
+            ~215 tokens need 7.5 GiB for one copy of their FP32 logits alone: out of an H100's memory;
+            that recipe ran unpacked at 64)
 - packed:   `train.share_prompts: true`, the recipe's default: micro-batches keep a group together,
             each group one row with its prompt once, the LM head only where a log-prob is read
 Per variant, for one pass over the step's rollouts: micro-batches, the token rows the model computes
@@ -88,9 +91,11 @@ def shapes(recipe, config, groups) -> dict:
     return counts
 
 
-def measure(policy, recipe, config, groups, *, repeats: int = 3, variants=VARIANTS) -> list[dict]:
+def measure(policy, recipe, config, groups, *, repeats: int = 3, variants=VARIANTS,
+            unpacked_micro_batch: int | None = None) -> list[dict]:
     """One row per variant (median train seconds over `repeats` interleaved calls, after one untimed call
-    of each); `variants` start with 'unpacked', the baseline of the ratios."""
+    of each); `variants` start with 'unpacked', the baseline of the ratios, which runs in micro-batches
+    of `unpacked_micro_batch` rows where given (else the recipe's)."""
     import torch
 
     from beam_rl.dapo.loop import train_groups
@@ -98,8 +103,12 @@ def measure(policy, recipe, config, groups, *, repeats: int = 3, variants=VARIAN
     if not variants or variants[0] != "unpacked":
         raise ValueError(f"variants {tuple(variants)}: 'unpacked' must come first, the baseline of the ratios")
 
-    recipes = {v: dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, share_prompts=v == "packed"))
-               for v in variants}
+    def train_settings(variant: str):
+        if variant == "unpacked" and unpacked_micro_batch:
+            return dataclasses.replace(recipe.train, share_prompts=False, micro_batch_size=unpacked_micro_batch)
+        return dataclasses.replace(recipe.train, share_prompts=variant == "packed")
+
+    recipes = {v: dataclasses.replace(recipe, train=train_settings(v)) for v in variants}
 
     def run(variant: str) -> float:
         r = recipes[variant]
@@ -140,10 +149,14 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", default=None, help="HF checkpoint directory (default: the recipe's preset, its init seed)")
     ap.add_argument("--groups", type=int, default=None, help="kept groups of the step (default: the recipe's prompts_per_step)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--unpacked-micro-batch", type=int, default=None,
+                    help="the unpacked variant's micro-batch size (default: the recipe's train.micro_batch_size)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.repeats < 1 or (args.groups is not None and args.groups < 1):
         raise SystemExit("--repeats and --groups must be >= 1")
+    if args.unpacked_micro_batch is not None and args.unpacked_micro_batch < 1:
+        raise SystemExit("--unpacked-micro-batch must be >= 1")
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
         raise SystemExit(f"--checkpoint {args.checkpoint}: no config.json there; give an HF checkpoint directory")
 
@@ -167,7 +180,8 @@ def main(argv=None) -> int:
     if t.mode == "lora":
         policy.add_lora(t.lora.r, t.lora.alpha, seed=recipe.run.seed, experts=t.lora.experts, merged=t.lora.merge)
     policy.make_optimizer(lr=t.lr, betas=t.betas, weight_decay=t.weight_decay, grad_clip=t.grad_clip)
-    rows = measure(policy, recipe, config, step_groups(recipe, config, args.groups), repeats=args.repeats)
+    rows = measure(policy, recipe, config, step_groups(recipe, config, args.groups), repeats=args.repeats,
+                   unpacked_micro_batch=args.unpacked_micro_batch)
     print_table(rows)
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -182,6 +196,7 @@ def main(argv=None) -> int:
                 "date": time.strftime("%Y-%m-%d"), "device": device, "commit": commit or None,
                 "model": recipe.model.preset + (f", {args.checkpoint}" if args.checkpoint else f", init seed {recipe.model.init_seed}"),
                 "mode": t.mode, "micro_batch_size": t.micro_batch_size,
+                "unpacked_micro_batch_size": args.unpacked_micro_batch or t.micro_batch_size,
                 "updates_per_step": recipe.dapo.updates_per_step, "group_size": recipe.rollout.group_size}
         args.json.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
     return 0

@@ -82,7 +82,8 @@
 #                  recipes/math/bf16.yaml's shape taken apart (vLLM alone, without per-request seeds), profiled
 #                  (BENCH_DAPO_ROLLOUT_ARGS, e.g. "--repeats 5"); $OUT/rollout_dapo.json
 #   dapo_train     scripts/bench_dapo_train.py at recipes/math/bf16.yaml's shape (beam-mini at its init seed: timing only,
-#                  no warm start needed): the train phase unpacked vs shared-prompt packing; $OUT/dapo_train_h200.json
+#                  no warm start needed): the train phase unpacked (micro-batches of 64, as that recipe ran before
+#                  packing: 256 unpacked rows ran out of an H100's memory) vs shared-prompt packing; $OUT/dapo_train_h200.json
 #                  (BENCH_DAPO_TRAIN_ARGS, e.g. "--repeats 5")
 #   spec_test      tests/test_rollout_spec.py on vLLM 0.26 (beam-tiny, the DFlash2 drafter distilled in the test:
 #                  greedy and R3 equal without speculation, drafts equal the reference's, adaptive verification)
@@ -180,7 +181,7 @@ stage_cmd() {
       # "finished" by the recipe just run (a resume may raise run.total_steps; run.json keeps the first value),
       # read without validation: validating builds the task, seconds that a small MATH_KEEP_S did not hold
       echo "TORCH_LOGS=recompiles python3 -m beam_rl.cli dapo --recipe $REPO/recipes/math/$m.yaml --out $r \$( [ -f $r/metrics.jsonl ] && echo --resume ) --max-seconds $(( $2 - ${MATH_KEEP_S:-90} ))${MATH_LAST_CALL:+ --no-checkpoints}; rc=\$?; mkdir -p $OUT/runs/$m; cp $r/metrics.jsonl $r/run.json $OUT/runs/$m/; python3 -c \"import sys; from beam_rl.dapo.config import load_recipe; from beam_rl.dapo.rundir import finished; sys.exit(not finished('$r', load_recipe('$REPO/recipes/math/$m.yaml', validate=False).run.total_steps))\" && rm -rf $r/checkpoints; exit \$rc" ;;
-    dapo_train) echo "python3 $REPO/scripts/bench_dapo_train.py --recipe $REPO/recipes/math/bf16.yaml --json $OUT/dapo_train_h200.json ${BENCH_DAPO_TRAIN_ARGS:-}" ;;
+    dapo_train) echo "python3 $REPO/scripts/bench_dapo_train.py --recipe $REPO/recipes/math/bf16.yaml --unpacked-micro-batch 64 --json $OUT/dapo_train_h200.json ${BENCH_DAPO_TRAIN_ARGS:-}" ;;
     dapo_rollout) echo "python3 $REPO/scripts/bench_dapo_rollout.py --recipe $REPO/recipes/math/bf16.yaml --checkpoint $WORK/ckpt/math-mini-warm --profile --json $OUT/rollout_dapo.json ${BENCH_DAPO_ROLLOUT_ARGS:-}" ;;
     spec_test) echo "python3 -m pytest -q -s -p no:cacheprovider --rootdir=$WORK $REPO/tests/test_rollout_spec.py" ;;
     spec) echo "python3 $REPO/scripts/bench_spec.py --checkpoint $WORK/ckpt/math-mini-warm --drafter $WORK/drafter-math --recipe $REPO/recipes/math/warm-mini-h200.yaml --json $OUT/spec.json ${BENCH_SPEC_ARGS:-}" ;;

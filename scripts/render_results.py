@@ -446,7 +446,9 @@ def dapo_train_table(name: str) -> str:
     d = load(name)
     p = d["provenance"]
     return table(f"The DAPO train phase with shared-prompt packing ({p['model']}, {p['mode']}; a step's rollouts in "
-                 f"groups of {p['group_size']}, {p['updates_per_step']} updates, micro-batches of {p['micro_batch_size']})",
+                 f"groups of {p['group_size']}, {p['updates_per_step']} updates, micro-batches of {p['micro_batch_size']}"
+                 + (f", unpacked {p['unpacked_micro_batch_size']}" if p.get("unpacked_micro_batch_size", p["micro_batch_size"])
+                    != p["micro_batch_size"] else "") + ")",
                  [{**p, **r} for r in d["rows"]],
                  cols("variant", "sequences", "micro-batches=micro_batches", "token rows a pass=token_rows:,",
                       "LM-head rows a pass=lm_head_rows:,", "train s=train_s:.2f", "x unpacked=vs_unpacked:.2f"),

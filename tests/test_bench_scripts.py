@@ -340,5 +340,9 @@ def test_dapo_train_bench_compares_packed_with_unpacked(tiny_config):
     assert packed["lm_head_rows"] == responses - sum(len(g.samples) for g in groups) + len(groups)
     assert packed["token_rows"] >= prompts + responses and packed["token_rows"] < unpacked["token_rows"] / 3
     assert all(r["train_s"] > 0 and r["sequences"] == 16 for r in rows)
+    # the unpacked baseline in smaller micro-batches (a recipe sized for packed rows): more of them, same rows
+    small = bench_dapo_train.measure(policy, recipe, tiny_config, groups, repeats=1, unpacked_micro_batch=4)
+    assert small[0]["micro_batches"] > unpacked["micro_batches"] and small[0]["token_rows"] <= unpacked["token_rows"]
+    assert small[1]["micro_batches"] == packed["micro_batches"]
     with pytest.raises(ValueError, match="'unpacked' must come first"):
         bench_dapo_train.measure(policy, recipe, tiny_config, groups, variants=("packed", "unpacked"))
