@@ -28,13 +28,13 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import bench_provenance
+
 VARIANTS = ("loop", "vllm", "vllm-row-generators", "vllm-unseeded")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def first_round(recipe, prompts: int | None):
@@ -154,12 +154,11 @@ def main(argv=None) -> int:
     if args.json:
         import torch
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
         import vllm
 
         prov = {"command": "python scripts/bench_dapo_rollout.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                "date": time.strftime("%Y-%m-%d"), "device": f"{device}, vLLM {vllm.__version__}", "commit": commit or None,
+                "date": time.strftime("%Y-%m-%d"), "device": f"{device}, vLLM {vllm.__version__}", "commit": bench_provenance.commit(),
                 "async_scheduling": settings.async_scheduling, "max_num_seqs": settings.max_num_seqs}
         args.json.write_text(json.dumps({"provenance": prov, "rows": rows, "profile": profile}, indent=1) + "\n")
     return 0

@@ -31,13 +31,13 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import bench_provenance
+
 VARIANTS = ("unpacked", "packed")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def step_groups(recipe, config, groups: int | None, seed: int = 0):
@@ -184,16 +184,15 @@ def main(argv=None) -> int:
                    unpacked_micro_batch=args.unpacked_micro_batch)
     print_table(rows)
     if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         from importlib.metadata import version
 
         from rollout_bench.host_probe import cpu_info
 
         host = f"{len(os.sched_getaffinity(0))}-core {cpu_info().get('cpu_model') or 'CPU'}"
-        device = (f"NVIDIA {torch.cuda.get_device_name()}" if torch.cuda.is_available() else f"CPU: {host}") + \
+        device = (torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU: {host}") + \
             f", torch {torch.__version__}, megatron-core {version('megatron-core')}"
         prov = {"command": "python scripts/bench_dapo_train.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                "date": time.strftime("%Y-%m-%d"), "device": device, "commit": commit or None,
+                "date": time.strftime("%Y-%m-%d"), "device": device, "commit": bench_provenance.commit(),
                 "model": recipe.model.preset + (f", {args.checkpoint}" if args.checkpoint else f", init seed {recipe.model.init_seed}"),
                 "mode": t.mode, "micro_batch_size": t.micro_batch_size,
                 "unpacked_micro_batch_size": args.unpacked_micro_batch or t.micro_batch_size,

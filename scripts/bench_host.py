@@ -18,15 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+import bench_provenance
+
 MODES = ("bf16", "lora", "lora-merged")
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def narrow_mini():
@@ -95,11 +95,10 @@ def main(argv=None) -> int:
     if args.json:
         from rollout_bench.host_probe import cpu_info
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         prov = {"command": "python scripts/bench_host.py " + " ".join(sys.argv[1:] if argv is None else argv),
                 "date": time.strftime("%Y-%m-%d"),
                 "device": f"CPU: {cpu_info().get('cpu_model') or 'unknown model'}, one thread, torch {torch.__version__}",
-                "commit": commit or None}
+                "commit": bench_provenance.commit()}
         args.json.write_text(json.dumps({"provenance": prov, "rows": rows}, indent=1) + "\n")
     return 0
 

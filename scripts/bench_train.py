@@ -40,6 +40,8 @@ from collections import defaultdict
 
 import torch
 
+import bench_provenance
+
 MODES = ("baseline", "bf16", "lora", "lora-merged", "mxfp8-emulated", "peer")
 
 # Kernel kinds by name, first match wins (CUDA kernel names of cuBLAS / CUTLASS / ATen / Triton).
@@ -375,15 +377,13 @@ def main() -> None:
 
 def write_rows(args, rows) -> None:
     """{"provenance": {...}, "rows": [...]} (`docs/bench/train.json`)."""
-    import subprocess
     import sys
 
     import megatron.core
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "not recorded"
     prov = {"command": "python scripts/bench_train.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d"),
             "device": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, megatron-core {megatron.core.__version__}",
-            "commit": commit, "peak_tflops": args.peak_tflops,
+            "commit": bench_provenance.commit() or "not recorded", "peak_tflops": args.peak_tflops,
             "flop_formula": "6 x active matmul parameters + 12 x q_width x attended context per layer, per token"}
     with open(args.json, "w") as f:
         json.dump({"provenance": prov, "rows": rows}, f, indent=1)

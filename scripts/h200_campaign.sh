@@ -32,6 +32,8 @@
 #
 # Prerequisites: the gpu-kit unpacked and beam-rl's wheel installed into /tmp/beam, then
 #     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# and BEAM_RL_COMMIT=<the commit the wheel was built from> (the benchmarks' JSON records it; the
+# device's copy of the tree can carry an older .git: scripts/bench_provenance.py).
 # Stages run from $WORK, never from the repository root (the source tree would shadow the
 # installed package, whose beam_rl.rollout the vLLM plugin entry point imports).
 #

@@ -346,3 +346,17 @@ def test_dapo_train_bench_compares_packed_with_unpacked(tiny_config):
     assert small[1]["micro_batches"] == packed["micro_batches"]
     with pytest.raises(ValueError, match="'unpacked' must come first"):
         bench_dapo_train.measure(policy, recipe, tiny_config, groups, variants=("packed", "unpacked"))
+
+
+def test_bench_provenance_commit(monkeypatch):
+    """The commit every bench JSON records: BEAM_RL_COMMIT where set (a device copy's .git can be older
+    than the code it runs), else this checkout's HEAD."""
+    import subprocess
+
+    import bench_provenance
+
+    monkeypatch.setenv("BEAM_RL_COMMIT", "0123abc")
+    assert bench_provenance.commit() == "0123abc"
+    monkeypatch.delenv("BEAM_RL_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=bench_provenance.ROOT, capture_output=True, text=True).stdout.strip()
+    assert bench_provenance.commit() == (head or None)
