@@ -28,7 +28,9 @@
 # metrics included). A DAPO run then crosses call boundaries without a resume (each costs its
 # engine's start and the compiles again: ~140 s for the math warm start on the H200) and a lane never
 # idles at a call's end; the math runs keep no checkpoints (MATH_LAST_CALL=1): with the machine gone,
-# nothing could resume from them. --wait needs no kit and no setup.
+# nothing could resume from them. --wait needs no kit and no setup. Make the --wait call as soon as
+# the previous call returns: a device machine left idle goes back within about 30 s and ends the
+# detached campaign with it (an H100 warm start was lost that way on 2026-12-07).
 #
 # Prerequisites: the gpu-kit unpacked and beam-rl's wheel installed into /tmp/beam, then
 #     export PYTHONPATH=/tmp/beam:/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
