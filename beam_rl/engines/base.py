@@ -262,7 +262,8 @@ class TrainerBackend(ABC):
 
     @abstractmethod
     def logprobs(self, batch: TrainerBatch, *, temperature: float = 1.0, replay: bool = True, grad: bool = False) -> torch.Tensor:
-        """[B, T-1] log-probs of `batch` at `temperature`, the rollout's experts replayed when `replay` (R3)."""
+        """[B, T-1] log-probs of `batch` at `temperature`, the rollout's experts replayed when `replay` (R3);
+        0 off `batch.mask` (the packed path computes nothing there)."""
 
     def fixed_weights(self) -> contextlib.AbstractContextManager:
         """A context in which the caller changes no weight (no optimizer step, no load), so the

@@ -10,8 +10,6 @@ rollout engine reports computing it) or 'flash' (FlashAttention's algorithm on C
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from beam_rl.engines.base import TRAIN_MODES, TrainerBackend, TrainLoss
@@ -134,26 +132,24 @@ class MegatronTrainer(TrainerBackend):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def to_device(self, mb: TrainerBatch) -> TrainerBatch:
-        """The micro-batch with its tensors on the model's device (a no-op on CPU)."""
-        if self.device.type == "cpu":
-            return mb
-        return dataclasses.replace(mb, **{f.name: getattr(mb, f.name).to(self.device) for f in dataclasses.fields(mb)
-                                          if isinstance(getattr(mb, f.name), torch.Tensor)})
-
     # -- log-probs -----------------------------------------------------------------------------
+    def _response_logprobs(self, ids, lengths, prompt_lengths, routed_experts=None, **kwargs) -> torch.Tensor:
+        """Log-probs [B, T-1] on the model's device of a right-padded CPU batch, 0 off the response
+        (`sequence_logprobs`' layout and mask): packed by shared prompt on the host, then moved
+        (`share_prompts`), or every row as it is; `kwargs`: temperature, mode."""
+        if self.share_prompts:
+            packed = pack_shared_prompts(ids, lengths, prompt_lengths, routed_experts).to(self.device)
+            return packed_sequence_logprobs(self.model, packed, config=self.config, **kwargs)
+        d = self.device
+        lp, mask = sequence_logprobs(self.model, ids.to(d), config=self.config, lengths=lengths.to(d),
+                                     prompt_lengths=prompt_lengths.to(d),
+                                     routed_experts=None if routed_experts is None else routed_experts.to(d), **kwargs)
+        return lp * mask
+
     def logprobs(self, mb: TrainerBatch, *, temperature: float = 1.0, replay: bool = True, grad: bool = False) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            if self.share_prompts:  # packed on the host from the micro-batch's CPU tensors, then moved
-                packed = pack_shared_prompts(mb.input_ids, mb.lengths, mb.prompt_lengths,
-                                             mb.routed_experts if replay else None).to(self.device)
-                lp = packed_sequence_logprobs(self.model, packed, config=self.config, temperature=temperature, mode="processed")
-            else:
-                mb = self.to_device(mb)
-                lp, _ = sequence_logprobs(
-                    self.model, mb.input_ids, config=self.config, lengths=mb.lengths, prompt_lengths=mb.prompt_lengths,
-                    temperature=temperature, mode="processed", routed_experts=mb.routed_experts if replay else None,
-                )
+            lp = self._response_logprobs(mb.input_ids, mb.lengths, mb.prompt_lengths, mb.routed_experts if replay else None,
+                                         temperature=temperature, mode="processed")
         if not grad:
             r3.clear_replay(self.model)
         return lp
@@ -192,14 +188,8 @@ class MegatronTrainer(TrainerBackend):
         for part in length_sorted_micro_batches(lengths.tolist(), micro_batch_size or ids.shape[0]):
             sl = torch.tensor(part)
             width = int(lengths[sl].max())  # each micro-batch padded to its own longest sequence
-            if self.share_prompts:  # distinct prompts: packing keeps the rows, the LM head runs at response rows only
-                packed = pack_shared_prompts(ids[sl, :width], lengths[sl], prompt_lengths[sl]).to(d)
-                lp = packed_sequence_logprobs(self.model, packed, config=self.config)  # 0 off the response
-                loss = -lp.sum() / tokens.to(d)
-            else:
-                lp, mask = sequence_logprobs(self.model, ids[sl, :width].to(d), config=self.config, lengths=lengths[sl].to(d),
-                                             prompt_lengths=prompt_lengths[sl].to(d))
-                loss = -(lp * mask).sum() / tokens.to(d)
+            # packed, distinct prompts keep their rows and the LM head runs at response rows only
+            loss = -self._response_logprobs(ids[sl, :width], lengths[sl], prompt_lengths[sl]).sum() / tokens.to(d)
             loss.backward()
             total += loss.detach()
         optimizer.step()
