@@ -40,7 +40,7 @@ def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, *, tempera
         # as one row: the compiled kernel always sees rank 3. A call of another rank recompiles with
         # every dimension dynamic, the targets column's 1 included, and squeeze's backward then
         # guards on it (GuardOnDataDependentSymNode: packed then unpacked log-probs in one process)
-        return logprobs_from_logits(logits[None], targets[None], temperature=temperature, mode=mode)[0]
+        return _logprobs_fused(logits[None], targets[None, :, None], temperature)[0]
     # targets as a column [..., 1]: its token dimensions are then marked unbacked with the logits'
     # (`fused.compiled_on`: all but the last), where [B, T] would pin T to the first batch's width
     return _logprobs_fused(logits, targets.unsqueeze(-1), temperature)
