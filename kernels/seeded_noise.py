@@ -61,11 +61,15 @@ def uniform_bits_reference(seeds: torch.Tensor, indices: torch.Tensor, vocab: in
     return _shr(z, 64 - U_BITS).int()
 
 
-def exponential_noise_reference(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Exp(1) noise, FP32 [n, vocab]: -log((2b + 1) * 2^-24) of `uniform_bits_reference`'s b."""
+def uniform_noise_reference(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0, 1) noise, FP32 [n, vocab]: (2b + 1) * 2^-24 of `uniform_bits_reference`'s b (exact)."""
     bits = uniform_bits_reference(seeds, indices, vocab)
-    u = (2 * bits + 1).float() * 2.0 ** -(U_BITS + 1)
-    return -torch.log(u)
+    return (2 * bits + 1).float() * 2.0 ** -(U_BITS + 1)
+
+
+def exponential_noise_reference(seeds: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise, FP32 [n, vocab]: -log(u) of `uniform_noise_reference`'s u."""
+    return -torch.log(uniform_noise_reference(seeds, indices, vocab))
 
 
 # --- Triton ----------------------------------------------------------------------------------------
@@ -78,8 +82,9 @@ def _mix64_u(z, M1: tl.constexpr, M2: tl.constexpr):
 
 
 @triton.jit
-def _exponential_noise_kernel(q_ptr, rows_ptr, seeds_ptr, indices_ptr, V, stride_q, BLOCK: tl.constexpr,
-                              G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, BITS: tl.constexpr):
+def _counter_noise_kernel(q_ptr, rows_ptr, seeds_ptr, indices_ptr, V, stride_q, BLOCK: tl.constexpr,
+                          G: tl.constexpr, M1: tl.constexpr, M2: tl.constexpr, BITS: tl.constexpr,
+                          EXPONENTIAL: tl.constexpr):
     # grid (vocabulary blocks, seeded rows); the constants arrive as constexprs above 2^63, so Triton types
     # them uint64, and uint64 arithmetic wraps and shifts logically
     r = tl.program_id(1)
@@ -92,13 +97,26 @@ def _exponential_noise_kernel(q_ptr, rows_ptr, seeds_ptr, indices_ptr, V, stride
     z = _mix64_u(key + (j.to(tl.uint64) + 1) * G, M1, M2)
     bits = (z >> (64 - BITS)).to(tl.int32)
     u = (2 * bits + 1).to(tl.float32) * (0.5 ** (BITS + 1))
-    tl.store(q_ptr + row * stride_q + j, -libdevice.log(u), mask=m)
+    if EXPONENTIAL:
+        u = -libdevice.log(u)
+    tl.store(q_ptr + row * stride_q + j, u, mask=m)
 
 
 def fill_exponential_noise_(q: torch.Tensor, rows: torch.Tensor, seeds: torch.Tensor,
                             indices: torch.Tensor) -> torch.Tensor:
-    """Overwrite q[rows[i]] (FP32 [batch, vocab], rows contiguous) with the noise of (seeds[i],
+    """Overwrite q[rows[i]] (FP32 [batch, vocab], rows contiguous) with the Exp(1) noise of (seeds[i],
     indices[i]) (int64 [n] each, on q's device): one Triton launch on CUDA, the reference elsewhere."""
+    return _fill(q, rows, seeds, indices, exponential=True)
+
+
+def fill_uniform_noise_(u: torch.Tensor, rows: torch.Tensor, seeds: torch.Tensor,
+                        indices: torch.Tensor) -> torch.Tensor:
+    """`fill_exponential_noise_`'s u before the log: U(0, 1) noise, never 0 or 1, into u[rows[i]]."""
+    return _fill(u, rows, seeds, indices, exponential=False)
+
+
+def _fill(q: torch.Tensor, rows: torch.Tensor, seeds: torch.Tensor, indices: torch.Tensor, *,
+          exponential: bool) -> torch.Tensor:
     if q.dtype != torch.float32 or q.dim() != 2 or q.stride(1) != 1:
         raise ValueError(f"q: a [batch, vocab] FP32 tensor with contiguous rows expected, got {q.dtype} {tuple(q.shape)}")
     if not (rows.shape == seeds.shape == indices.shape) or rows.dim() != 1:
@@ -109,9 +127,10 @@ def fill_exponential_noise_(q: torch.Tensor, rows: torch.Tensor, seeds: torch.Te
         return q
     if use_triton(q, rows, seeds, indices):
         block = min(2048, triton.next_power_of_2(vocab))
-        _exponential_noise_kernel[(triton.cdiv(vocab, block), n)](
+        _counter_noise_kernel[(triton.cdiv(vocab, block), n)](
             q, rows, seeds, indices, vocab, q.stride(0), BLOCK=block, G=GOLDEN, M1=MIX_1, M2=MIX_2, BITS=U_BITS,
-            num_warps=4)
+            EXPONENTIAL=exponential, num_warps=4)
         return q
-    q[rows] = exponential_noise_reference(seeds, indices, vocab)
+    reference = exponential_noise_reference if exponential else uniform_noise_reference
+    q[rows] = reference(seeds, indices, vocab)
     return q

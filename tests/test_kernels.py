@@ -287,14 +287,18 @@ _INTERPRETED_SEEDED_NOISE = textwrap.dedent("""
     indices = torch.tensor([0, 0, 7, 3, 2**40], dtype=torch.int64)
     rows = torch.tensor([4, 0, 2, 1, 3])
     for vocab, block in [(3000, 1024), (64, 64), (100, 32)]:
-        q = torch.full((6, vocab), float("nan"))
-        S._exponential_noise_kernel[(S.triton.cdiv(vocab, block), 5)](
-            q, rows, seeds, indices, vocab, q.stride(0), BLOCK=block, G=S.GOLDEN, M1=S.MIX_1, M2=S.MIX_2, BITS=S.U_BITS)
-        ref = S.exponential_noise_reference(seeds, indices, vocab)
-        assert q[5].isnan().all(), "a row without a seed was written"
-        # the interpreter's log is numpy's FP32 log, which differs from torch's by an ulp; a wrong bit of the
-        # hash scrambles the whole row
-        assert torch.allclose(q[rows], ref, rtol=1e-5, atol=0), (vocab, (q[rows] - ref).abs().max())
+        for exponential, reference in [(True, S.exponential_noise_reference), (False, S.uniform_noise_reference)]:
+            q = torch.full((6, vocab), float("nan"))
+            S._counter_noise_kernel[(S.triton.cdiv(vocab, block), 5)](
+                q, rows, seeds, indices, vocab, q.stride(0), BLOCK=block, G=S.GOLDEN, M1=S.MIX_1, M2=S.MIX_2,
+                BITS=S.U_BITS, EXPONENTIAL=exponential)
+            ref = reference(seeds, indices, vocab)
+            assert q[5].isnan().all(), "a row without a seed was written"
+            if not exponential:  # u is exact: integer bits times a power of two
+                assert torch.equal(q[rows], ref), (vocab, (q[rows] - ref).abs().max())
+            # the interpreter's log is numpy's FP32 log, which differs from torch's by an ulp; a wrong bit of the
+            # hash scrambles the whole row
+            assert torch.allclose(q[rows], ref, rtol=1e-5, atol=0), (vocab, (q[rows] - ref).abs().max())
     print("seeded noise interpreted ok")
 """)
 
@@ -327,6 +331,8 @@ def test_seeded_noise_reference_is_splitmix64():
     assert q.dtype == torch.float32 and bool((q > 0).all()) and bool(q.isfinite().all())
     u = (2 * torch.tensor(want, dtype=torch.float64) + 1) * 2.0**-24
     torch.testing.assert_close(q.double(), -torch.log(u), rtol=1e-6, atol=0)
+    uniform = S.uniform_noise_reference(seeds, indices, 257)
+    assert uniform.dtype == torch.float32 and torch.equal(uniform.double(), u)  # exact, inside (0, 1)
 
 
 def test_seeded_noise_rejects_shapes_outside_its_contract():

@@ -338,3 +338,7 @@ def test_seeded_noise_kernel_is_the_reference(batch, seeded, vocab):
     untouched = torch.ones(batch, dtype=torch.bool, device=DEV)
     untouched[rows] = False
     assert bool(q[untouched].isnan().all())
+    u = poisoned((batch, vocab), torch.float32)
+    seeded_noise.fill_uniform_noise_(u, rows, seeds, indices)
+    assert_bits(u[rows], seeded_noise.uniform_noise_reference(seeds, indices, vocab), "seeded uniform noise")
+    assert bool(u[untouched].isnan().all())
