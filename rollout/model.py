@@ -21,9 +21,9 @@ from vllm.model_executor.models.interfaces import SupportsEagle3, SupportsLoRA
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
 from vllm.sequence import IntermediateTensors
 
+from beam_rl.kernels.fingerprint import tensor_checksums
 from beam_rl.model import numerics
 from beam_rl.model.config import BeamConfig
-from beam_rl.model.weights import tensor_checksums
 from beam_rl.rollout import ops
 from beam_rl.rollout.attention import BeamAttention
 from beam_rl.rollout.capture import RoutingRecorder
@@ -212,8 +212,8 @@ class BeamForCausalLM(nn.Module, SupportsLoRA, SupportsEagle3):
 
     def _checksummed(self, weights):
         """Record the `tensor_checksums` fingerprint of every tensor as received (HF names), for sync
-        verification: computed where the tensors are (on the GPU for an in-memory update), many per
-        batch, holding at most ~`CHECKSUM_BATCH_BYTES` of received tensors until their batch is done."""
+        verification: computed where the tensors are (on the GPU for an in-memory update, by
+        `beam_rl.kernels.fingerprint`'s fused kernel), many per batch, holding at most ~`CHECKSUM_BATCH_BYTES` of received tensors until their batch is done."""
         pending, size = [], 0
         for name, tensor in weights:
             pending.append((name, tensor))

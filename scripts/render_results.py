@@ -271,6 +271,9 @@ def concurrency_tables(c: Rec, what: str = "Decode at RL concurrency", goals: bo
                             "tensors (medians)", base,
                             [("in memory: fingerprints on the GPU + verified load", f"{w['in_memory_s']:.3f} s "
                               f"({w['sender_checksums_s']:.3f} + {w['verified_load_s']:.3f})"),
+                             *([("sender's fingerprints by their PyTorch definition (the fused kernel's baseline)",
+                                 f"{w['definition_checksums_s']:.3f} s, the kernel {w['sender_checksums_s'] / w['definition_checksums_s']:.2f}x; "
+                                 f"equal: {fmt(w['checksums_equal_definition'])}")] if "definition_checksums_s" in w else []),
                              ("in memory through vLLM's layerwise reload", f"{w['layerwise_load_s']:.3f} s"),
                              ("through files on /dev/shm: write + reload", f"{w['files_s']:.2f} s ({w['files_write_s']:.2f} + "
                               f"{w['files_reload_s']:.2f}), {w['files_s'] / w['in_memory_s']:.0f}x"),

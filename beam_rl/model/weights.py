@@ -132,7 +132,7 @@ _BATCH_WORDS = 1 << 25
 """Words hashed per batch: bounds the int64 temporaries (~4 x 256 MiB)."""
 
 
-def tensor_checksums(named) -> dict[str, str]:
+def tensor_checksums(named, word_sums=None) -> dict[str, str]:
     """{name: fingerprint} of (name, tensor) pairs, computed where each tensor lives (GPU tensors on
     the GPU: no copy to the host), many tensors per kernel launch.
 
@@ -141,21 +141,32 @@ def tensor_checksums(named) -> dict[str, str]:
     words. A change of any one word always changes the sum (each word's mix is a bijection); any
     other change escapes it with probability ~2**-64: it fingerprints what a sync received, it is
     not a cryptographic hash. Integer arithmetic only, so the value is the same on every device
-    and for every batching."""
+    and for every batching.
+
+    `word_sums` computes those sums for a list of (name, words) on one device: `hashed_word_sums`
+    (this definition, in int64 PyTorch ops) by default; `beam_rl.kernels.fingerprint` passes its fused
+    kernel, which returns the same integers."""
     sums: dict[str, int] = {}
     meta: dict[str, tuple] = {}
     by_device: dict[torch.device, list] = {}
     for name, t in named:
         words = _words(t)
         meta[name] = (t.dtype, tuple(t.shape), words.element_size())
-        sums[name] = 0
         by_device.setdefault(words.device, []).append((name, words))
     for items in by_device.values():
-        for batch in _batches(items):
-            for name, total in _hash_batch(batch).items():
-                sums[name] = (sums[name] + total) % 2**64
+        sums.update((word_sums or hashed_word_sums)(items))
     return {name: hashlib.sha256(f"{dtype}|{shape}|{w}|{sums[name]:016x}".encode()).hexdigest()[:16]
             for name, (dtype, shape, w) in meta.items()}
+
+
+def hashed_word_sums(items: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    """{name: sum mod 2**64 of splitmix64(word_i xor i * golden)} of (name, words) pairs on one
+    device (`words` as `_words` returns them), in batches of at most `_BATCH_WORDS` words."""
+    sums = {name: 0 for name, _ in items}
+    for batch in _batches(items):
+        for name, total in _hash_batch(batch).items():
+            sums[name] = (sums[name] + total) % 2**64
+    return sums
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

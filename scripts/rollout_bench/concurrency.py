@@ -182,6 +182,7 @@ def weight_update(engine, checkpoint: str, work: str, repeats: int) -> dict:
     from beam_rl.dapo.loop import _engine_dir
     from beam_rl.engines.base import checksums_of
     from beam_rl.model.checkpoint import load_config, read_tensors
+    from beam_rl.model.weights import tensor_checksums as defined_checksums
     from beam_rl.rollout.reload import load_weights
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,6 +205,9 @@ def weight_update(engine, checkpoint: str, work: str, repeats: int) -> dict:
         sender.append(clock(lambda: sent.update(checksums_of(tensors.items()))))
         load.append(clock(lambda: engine.load_weights(tensors, sent)))
     after_load = params()
+    definition, defined = [], {}
+    for _ in range(repeats):
+        definition.append(clock(lambda: defined.update(defined_checksums(tensors.items()))))
     for _ in range(repeats):
         layerwise.append(clock(lambda: load_weights(engine.llm, tensors, layerwise=True)))
     after_layerwise = params()
@@ -214,11 +218,13 @@ def weight_update(engine, checkpoint: str, work: str, repeats: int) -> dict:
     total = [a + b for a, b in zip(sender, load)]
     out = dict(bytes=nbytes, tensors=len(tensors), in_memory_s=statistics.median(total), in_memory_s_all=total,
                sender_checksums_s=statistics.median(sender), verified_load_s=statistics.median(load),
+               definition_checksums_s=statistics.median(definition), checksums_equal_definition=defined == sent,
                layerwise_load_s=statistics.median(layerwise), files_write_s=files_write, files_reload_s=files_reload,
                files_s=files_write + files_reload,
                same_parameters=after_load == after_layerwise == params())
     print(f"[weights] {nbytes / 2**30:.2f} GiB, {len(tensors)} tensors: in memory {out['in_memory_s']:.3f} s "
-          f"(fingerprints {out['sender_checksums_s']:.3f} s + verified load {out['verified_load_s']:.3f} s; layerwise "
+          f"(fingerprints {out['sender_checksums_s']:.3f} s + verified load {out['verified_load_s']:.3f} s; by the "
+          f"definition {out['definition_checksums_s']:.3f} s, equal: {out['checksums_equal_definition']}; layerwise "
           f"load {out['layerwise_load_s']:.3f} s); files {out['files_s']:.2f} s (write {files_write:.2f} + reload "
           f"{files_reload:.2f}); identical parameters: {out['same_parameters']}", flush=True)
     return out

@@ -342,3 +342,33 @@ def test_seeded_noise_kernel_is_the_reference(batch, seeded, vocab):
     seeded_noise.fill_uniform_noise_(u, rows, seeds, indices)
     assert_bits(u[rows], seeded_noise.uniform_noise_reference(seeds, indices, vocab), "seeded uniform noise")
     assert bool(u[untouched].isnan().all())
+
+
+def test_fingerprint_kernel_sums_what_the_definition_sums():
+    """The fused fingerprint kernel (`beam_rl.kernels.fingerprint`) gives `tensor_checksums`'s
+    fingerprints on the GPU: beam-mini's tensor shapes (a 32768 x 1024 embedding, per-expert slices
+    taken from a stacked weight as the trainer's export does), odd byte counts, views at offsets; one
+    changed bit changes its tensor's fingerprint and no other."""
+    from beam_rl.kernels import fingerprint
+    from beam_rl.model.weights import hashed_word_sums, tensor_checksums
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    stacked = torch.randn(8, 1024, 1024, device=DEV, generator=g).to(BF16)
+    named = [("embed", torch.randn(32768, 1024, device=DEV, generator=g).to(BF16)),
+             *[(f"expert.{e}", stacked[e, 256:768]) for e in range(8)],
+             ("norm", torch.randn(1024, device=DEV, generator=g)),
+             ("odd", torch.randn(3, device=DEV, generator=g).to(BF16)),
+             ("bytes", torch.arange(5, device=DEV, dtype=torch.uint8)),
+             ("empty", torch.empty(0, device=DEV)),
+             ("offset", stacked.view(-1)[1:4097])]  # a view 2 bytes into its storage: not int32-aligned
+    fast = fingerprint.tensor_checksums(named)
+    assert fast == tensor_checksums(named)
+    changed = dict(named)
+    changed["expert.3"] = changed["expert.3"].clone()
+    changed["expert.3"].view(torch.int16)[100, 7] ^= 1
+    again = fingerprint.tensor_checksums(list(changed.items()))
+    assert [k for k in fast if fast[k] != again[k]] == ["expert.3"]
+    from beam_rl.model.weights import _words
+
+    items = [(n, _words(t)) for n, t in named if t.numel() * t.element_size() % 4 == 0]
+    assert fingerprint.word_sums(items) == hashed_word_sums(items)
