@@ -156,6 +156,7 @@ class BeamForCausalLM(nn.Module, SupportsLoRA, SupportsEagle3):
         self.received_checksums: dict[str, str] | None = None  # set by BeamWorkerExtension to verify a sync
         self.loaded_names: set[str] | None = None  # likewise: which parameters the sync reached
         self.update_tensor_names: set[str] | None = None  # the model's tensor names during that update
+        self.update_device: torch.device | None = None  # likewise: where received tensors are fingerprinted
         self.routing_recorder = RoutingRecorder(
             vllm_config.scheduler_config.max_num_batched_tokens, config.num_hidden_layers,
             config.num_experts_per_tok, config.num_experts,
@@ -212,10 +213,18 @@ class BeamForCausalLM(nn.Module, SupportsLoRA, SupportsEagle3):
 
     def _checksummed(self, weights):
         """Record the `tensor_checksums` fingerprint of every tensor as received (HF names), for sync
-        verification: computed where the tensors are (on the GPU for an in-memory update, by
-        `beam_rl.kernels.fingerprint`'s fused kernel), many per batch, holding at most ~`CHECKSUM_BATCH_BYTES` of received tensors until their batch is done."""
+        verification, on the worker's GPU where it has one (`beam_rl.kernels.fingerprint`'s fused
+        kernel): a tensor read from files into host memory is copied there first, the copy the
+        loader makes anyway, so the bytes fingerprinted are the bytes loaded; one larger than
+        `CHECKSUM_BATCH_BYTES` stays on the host (a whole 501B embedding on every TP rank's GPU would
+        be a transient of GBs). Many tensors a batch, holding at most ~`CHECKSUM_BATCH_BYTES` of
+        received tensors until their batch is done."""
+        device = self.update_device
         pending, size = [], 0
         for name, tensor in weights:
+            if (device is not None and device.type == "cuda" and tensor.device != device
+                    and tensor.numel() * tensor.element_size() <= CHECKSUM_BATCH_BYTES):
+                tensor = tensor.to(device)
             pending.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
             yield name, tensor

@@ -272,6 +272,7 @@ class BeamWorkerExtension:
         model = self._beam_model()
         model.received_checksums, model.loaded_names = {}, set()
         model.update_tensor_names = tensor_names(model)  # read once: a transfer loads tensor by tensor
+        model.update_device = self.device  # files are read into host memory, fingerprinted on this device
         return True
 
     def beam_end_weight_update(self) -> dict:
@@ -279,7 +280,7 @@ class BeamWorkerExtension:
         "not_loaded": model parameters no received tensor reached}."""
         model = self._beam_model()
         received, loaded = dict(model.received_checksums or {}), set(model.loaded_names or ())
-        model.received_checksums = model.loaded_names = model.update_tensor_names = None
+        model.received_checksums = model.loaded_names = model.update_tensor_names = model.update_device = None
         params = {n for n, _ in model.named_parameters()}
         return {"checksums": received, "not_loaded": sorted(params - loaded)}
 
