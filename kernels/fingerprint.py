@@ -52,8 +52,10 @@ def _word_sums_kernel(pointers_ptr, counts_ptr, out_ptr, SLICES: tl.constexpr, B
 def word_sums(items: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
     """`beam_rl.model.weights.hashed_word_sums` of (name, words) pairs on one device: int32 words on
     CUDA in one launch, the rest by the definition."""
-    fast = [(name, w) for name, w in items if w.dtype == torch.int32 and use_triton(w)]
-    sums = hashed_word_sums([(name, w) for name, w in items if not (w.dtype == torch.int32 and use_triton(w))])
+    fast, rest = [], []
+    for name, w in items:
+        (fast if w.dtype == torch.int32 and use_triton(w) else rest).append((name, w))
+    sums = hashed_word_sums(rest)
     if not fast:
         return sums
     device = fast[0][1].device

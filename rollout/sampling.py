@@ -79,13 +79,19 @@ def counter_seeded_random_sample(probs: torch.Tensor, generators: dict[int, torc
     return sample_with_exponential_noise(probs, q)
 
 
+def _seeded_with_drafts(num_draft_tokens: list[int], generators: dict[int, torch.Generator]) -> list[int]:
+    """The batch rows that draw in rejection sampling from their own generator: seeded, with drafts
+    (vLLM draws nothing for a request without drafts)."""
+    return [i for i, n in enumerate(num_draft_tokens) if n > 0 and i in generators]
+
+
 def counter_seeded_uniform_probs(num_tokens: int, num_draft_tokens: list[int], generators: dict[int, torch.Generator],
                                  device: torch.device) -> torch.Tensor:
     """vLLM's `generate_uniform_probs`: FP64 [num_tokens] uniforms, one per draft token (request i's
     `num_draft_tokens[i]` in a row). A seeded request with drafts takes its uniforms from
     `fill_uniform_noise_` (exact multiples of 2^-24 inside (0, 1): never 0, the reason vLLM draws in
     FP64), all in one launch; requests without drafts draw nothing, as in vLLM."""
-    rows = [i for i, n in enumerate(num_draft_tokens) if n > 0 and i in generators]
+    rows = _seeded_with_drafts(num_draft_tokens, generators)
     if not rows:
         return _vllm["generate_uniform_probs"](num_tokens, num_draft_tokens, generators, device)
     uniform = torch.rand((num_tokens,), dtype=torch.float64, device=device)
@@ -113,7 +119,7 @@ def counter_seeded_sample_recovered_tokens(max_spec_len: int, num_draft_tokens: 
     distribution over the request's Exp(1) noise row, by vLLM's own kernel; a seeded request's row
     with drafts from `fill_exponential_noise_`, all in one launch. FP64 noise goes to vLLM's own."""
     generators = sampling_metadata.generators
-    rows = [i for i, n in enumerate(num_draft_tokens) if n > 0 and i in generators]
+    rows = _seeded_with_drafts(num_draft_tokens, generators)
     if not rows or use_fp64_gumbel:
         return _vllm["sample_recovered_tokens"](max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
                                                 draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel)
